@@ -1,0 +1,221 @@
+"""The gin bridge: a composed Hydra config in, one self-contained T5X-dialect gin file out.
+
+gin/ templates give structure and declare their inputs as `MACRO = %gin.REQUIRED`; conf/
+gives values. Every key of a gin-facing group is the macro of the same name in capitals
+(`model.emb_dim` -> `EMB_DIM`). The bridge inlines the templates (and their `include`s)
+under the engine's import header, then binds each macro once, so a value lives in one
+place. This module is pure: no gin, no JAX, only text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
+ROOT_MACROS = ("model_dir", "random_seed")
+TEMPLATE_KEY = "template"
+
+# The only lines that differ between engines. Alias names must match one for one.
+ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
+    "t5x": (
+        "import __main__ as train_script",
+        "from t5x import gin_utils",
+        "from t5x import models",
+        "from t5x import optimizers",
+        "from t5x import partitioning",
+        "from t5x import trainer",
+        "from t5x import utils",
+    ),
+    "local": (
+        "from capibara_exp.runtime import train_script",
+        "from capibara_exp.runtime import gin_utils",
+        "from capibara_exp.runtime import models",
+        "from capibara_exp.runtime import optimizers",
+        "from capibara_exp.runtime import partitioning",
+        "from capibara_exp.runtime import trainer",
+        "from capibara_exp.runtime import config as utils",
+    ),
+}
+COMMON_IMPORTS = (
+    "from capibara_exp import nets",
+    "import optax",
+    "import seqio",
+)
+BODY_MARKER = "# ---- body: identical for every engine ----"
+
+_REQUIRED_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*%gin\.REQUIRED\s*(#.*)?$")
+_INCLUDE_RE = re.compile(r"""^include\s+(['"])(.+)\1\s*$""")
+_REFERENCE_RE = re.compile(r"^(@[A-Za-z_][\w./]*(\(\))?|%[A-Za-z_][\w.]*)$")
+_BINDING_KEY_RE = re.compile(r"^([\w.]+/)*[A-Za-z_][\w.]*\.[A-Za-z_]\w*$|^[A-Z_][A-Z0-9_]*$")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, reported with the key and file it comes from."""
+
+
+class GinReference(str):
+    """A string that renders as a gin reference (`@name`, `@name()`, `%MACRO`), not a literal."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """One gin template file, with its includes already inlined."""
+
+    name: str
+    group: str
+    text: str
+    required: tuple[str, ...]
+
+
+def to_gin_literal(value: object, where: str = "value") -> str:
+    """Render a Python value as gin text that parses back to the same value."""
+    if isinstance(value, GinReference):
+        if not _REFERENCE_RE.match(value):
+            raise ConfigError(f"{where}: {value!r} is not a gin reference (@name, @name(), %MACRO)")
+        return str(value)
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(int(value))
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: {value!r} has no gin literal (only finite floats)")
+        return repr(float(value))
+    if isinstance(value, str):
+        if _REFERENCE_RE.match(value):
+            return value
+        return repr(value)
+    if isinstance(value, tuple):
+        items = [to_gin_literal(v, where) for v in value]
+        return "(" + items[0] + ",)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(to_gin_literal(v, where) for v in value) + "]"
+    if isinstance(value, dict):
+        parts = []
+        for k, v in value.items():
+            if not isinstance(k, (str, int, bool)) or isinstance(k, GinReference):
+                raise ConfigError(f"{where}: dict key {k!r} must be a string or an int")
+            parts.append(f"{to_gin_literal(k, where)}: {to_gin_literal(v, where)}")
+        return "{" + ", ".join(parts) + "}"
+    raise ConfigError(f"{where}: {type(value).__name__} value {value!r} cannot be written in gin")
+
+
+def load_template(name: str, group: str, templates_dir: Path, _seen: tuple[str, ...] = ()) -> Template:
+    """Read gin/<name> and inline its `include` lines (each file once, cycles are errors)."""
+    path = templates_dir / name
+    if name in _seen:
+        raise ConfigError(f"gin/{name}: include cycle {' -> '.join((*_seen, name))}")
+    if not path.is_file():
+        raise ConfigError(f"{group}.{TEMPLATE_KEY}: gin template gin/{name} does not exist")
+    lines, required = [], []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        inc = _INCLUDE_RE.match(line.strip())
+        if inc:
+            sub = load_template(inc.group(2), group, templates_dir, (*_seen, name))
+            lines += [f"# (included from gin/{name}:{lineno}) gin/{sub.name}", sub.text]
+            required += sub.required
+            continue
+        req = _REQUIRED_RE.match(line.strip())
+        if req:
+            required.append(req.group(1))
+        lines.append(line)
+    return Template(name, group, "\n".join(lines).rstrip() + "\n", tuple(required))
+
+
+def _container(node: object) -> object:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig,)) else node
+
+
+def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str] | None = None) -> str:
+    """The engine-independent part of config.gin: templates, then macro values, then extras."""
+    sources = dict(sources or {})
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:
+        keys = ", ".join(sorted(missing))
+        raise ConfigError(f"missing mandatory value (???) for: {keys}; set it on the command line")
+
+    templates: list[Template] = []
+    values: dict[str, tuple[str, object]] = {}  # MACRO -> (conf key, value)
+    for group in GIN_GROUPS:
+        node = cfg.get(group)
+        if node is None:
+            raise ConfigError(f"config group '{group}' is not set (conf/{group}/)")
+        group_values = _container(node)
+        template = group_values.pop(TEMPLATE_KEY, None)
+        if template:
+            templates.append(load_template(template, group, templates_dir))
+        for key, value in group_values.items():
+            _add_macro(values, f"{group}.{key}", value, sources.get(group, f"conf/{group}/"))
+    for key in ROOT_MACROS:
+        _add_macro(values, key, cfg.get(key), sources.get("root", "conf/config.yaml"))
+
+    declared = {m: t for t in templates for m in t.required}
+    for macro, (key, _) in values.items():
+        if macro not in declared:
+            group = key.split(".")[0] if "." in key else "root"
+            names = ", ".join(f"gin/{t.name}" for t in templates)
+            raise ConfigError(
+                f"unknown key '{key}' ({sources.get(group, 'conf/')}): no included gin template "
+                f"declares {macro} = %gin.REQUIRED (templates: {names})"
+            )
+    for macro, template in declared.items():
+        if macro not in values:
+            raise ConfigError(
+                f"gin/{template.name} requires {macro}: set {template.group}.{macro.lower()} "
+                f"({sources.get(template.group, f'conf/{template.group}/')})"
+            )
+
+    out = [BODY_MARKER]
+    for t in templates:
+        out += [f"# ===== gin/{t.name} (group: {t.group})", t.text]
+    out.append("# ===== values from conf/ (fill the %gin.REQUIRED macros above)")
+    for macro, (key, value) in values.items():
+        out.append(f"{macro} = {to_gin_literal(value, key)}  # {key}")
+    extra = _container(cfg.get("gin_bindings") or {})
+    if extra:
+        out.append("\n# ===== gin_bindings (applied last)")
+        for key, value in extra.items():
+            if not _BINDING_KEY_RE.match(str(key)):
+                raise ConfigError(f"gin_bindings: '{key}' is not a gin binding key (scope/name.param)")
+            out.append(f"{key} = {to_gin_literal(value, f'gin_bindings.{key}')}")
+    return "\n".join(out) + "\n"
+
+
+def _add_macro(values: dict, key: str, value: object, source: str) -> None:
+    macro = key.split(".")[-1].upper()
+    if macro in values:
+        raise ConfigError(f"keys '{values[macro][0]}' and '{key}' both set gin macro {macro} ({source})")
+    values[macro] = (key, value)
+
+
+def header(engine: str) -> str:
+    """The import header of config.gin for an engine."""
+    if engine not in ENGINE_HEADERS:
+        raise ConfigError(f"engine.name: unknown engine '{engine}' (choose from {sorted(ENGINE_HEADERS)})")
+    lines = ["from __gin__ import dynamic_registration", *ENGINE_HEADERS[engine], *COMMON_IMPORTS]
+    return "\n".join(lines) + "\n"
+
+
+def render(cfg: DictConfig, engine: str, templates_dir: Path, sources: Mapping[str, str] | None = None,
+           title: str = "") -> str:
+    """The whole config.gin: a comment, the engine's header, and the shared body."""
+    intro = [f"# config.gin rendered by capibara-exp for engine={engine}."]
+    if title:
+        intro.append(f"# {title}")
+    intro.append("# Re-run the command to regenerate; edits here are not read back into conf/.")
+    body = render_body(cfg, templates_dir, sources)
+    return "\n".join(intro) + "\n" + header(engine) + "\n" + body
+
+
+def body_of(gin_text: str) -> str:
+    """The engine-independent part of a rendered config.gin."""
+    _, sep, body = gin_text.partition(BODY_MARKER)
+    if not sep:
+        raise ConfigError("not a config.gin rendered by capibara-exp (no body marker)")
+    return body
