@@ -1,13 +1,22 @@
-"""Where the shipped conf/, gin/ and sweeps/ directories are, installed or in a checkout."""
+"""Where the shipped conf/, gin/ and sweeps/ directories are, installed or in a checkout.
 
-from importlib import resources
+A wheel installs them inside the package (capibara_exp/conf, capibara_exp/gin_templates,
+capibara_exp/sweeps); a checkout or an editable install has them at the top level.
+"""
+
 from pathlib import Path
 
-
-def _package_dir(name: str) -> Path:
-    return Path(str(resources.files(f"capibara_exp.{name}")))
+_PACKAGE = Path(__file__).resolve().parent
 
 
-CONF_DIR = _package_dir("conf")
-GIN_DIR = _package_dir("gin_templates")
-SWEEPS_DIR = _package_dir("sweeps")
+def _find(top_level: str, installed: str) -> Path:
+    for candidate in (_PACKAGE / installed, _PACKAGE.parent / top_level):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"capibara-exp is installed without its {top_level}/ directory "
+                            f"(looked in {_PACKAGE / installed} and {_PACKAGE.parent / top_level})")
+
+
+CONF_DIR = _find("conf", "conf")
+GIN_DIR = _find("gin", "gin_templates")
+SWEEPS_DIR = _find("sweeps", "sweeps")

@@ -1,0 +1,111 @@
+"""A small English text corpus built from the docstrings of the installed Python stdlib.
+
+Real prose that no one here wrote, present on every machine, no download. Built once
+into `<data_dir>/bytes_lm/` with a manifest; the split is a hash of each line, so it is
+deterministic for a given Python version.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import sysconfig
+import tempfile
+from pathlib import Path
+
+CORPUS_NAME = "bytes_lm"
+VALIDATION_PERCENT = 5
+MAX_LINE_CHARS = 480
+MIN_LINE_CHARS = 40
+# Packages of the stdlib whose docstrings are mostly prose (not tests, not vendored code).
+_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "ensurepip", "site-packages", "turtledemo",
+              "tkinter", "pydoc_data", "__pycache__", "encodings"}
+
+
+def corpus_dir(data_dir: str | os.PathLike) -> Path:
+    return Path(data_dir) / CORPUS_NAME
+
+
+def _stdlib_sources() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        if _SKIP_DIRS.intersection(path.relative_to(root).parts):
+            continue
+        files.append(path)
+    return files
+
+
+def _docstrings(source: str) -> list[str]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc:
+                out.append(doc)
+    return out
+
+
+def _lines(doc: str) -> list[str]:
+    """Split a docstring into paragraphs of prose, each cut at sentence ends to a max length."""
+    out = []
+    for para in re.split(r"\n\s*\n", doc):
+        if para.lstrip().startswith((">>>", "...")) or "::" in para:
+            continue  # code examples and literal blocks
+        text = " ".join(para.split())
+        while len(text) > MAX_LINE_CHARS:
+            cut = text.rfind(". ", 0, MAX_LINE_CHARS)
+            cut = cut + 1 if cut > MIN_LINE_CHARS else text.rfind(" ", 0, MAX_LINE_CHARS)
+            if cut <= 0:
+                cut = MAX_LINE_CHARS
+            out.append(text[:cut].strip())
+            text = text[cut:].strip()
+        out.append(text)
+    return [t for t in out if len(t) >= MIN_LINE_CHARS]
+
+
+def _is_validation(line: str) -> bool:
+    return int(hashlib.sha256(line.encode()).hexdigest()[:8], 16) % 100 < VALIDATION_PERCENT
+
+
+def build_corpus(data_dir: str | os.PathLike) -> dict:
+    """Build train.txt / validation.txt once; return the manifest."""
+    out_dir = corpus_dir(data_dir)
+    manifest_path = out_dir / "manifest.json"
+    if manifest_path.exists():
+        return json.loads(manifest_path.read_text())
+    seen: set[str] = set()
+    splits: dict[str, list[str]] = {"train": [], "validation": []}
+    sources = _stdlib_sources()
+    for path in sources:
+        for doc in _docstrings(path.read_text(encoding="utf-8", errors="replace")):
+            for line in _lines(doc):
+                if line in seen:
+                    continue
+                seen.add(line)
+                splits["validation" if _is_validation(line) else "train"].append(line)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {"source": "docstrings of the Python stdlib at " + sysconfig.get_paths()["stdlib"],
+                "files_read": len(sources), "splits": {}}
+    for split, lines in splits.items():
+        payload = ("\n".join(lines) + "\n").encode()
+        _atomic_write(out_dir / f"{split}.txt", payload)
+        manifest["splits"][split] = {"lines": len(lines), "bytes": len(payload),
+                                     "sha256": hashlib.sha256(payload).hexdigest()}
+    _atomic_write(manifest_path, json.dumps(manifest, indent=2).encode())
+    return manifest
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    """Write via a temporary file and rename, so a killed build never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, path)

@@ -1,0 +1,78 @@
+"""SeqIO tasks of the project, registered on import (T5X: DatasetConfig.module).
+
+The data directory comes from $CAPIBARA_DATA_DIR (the CLI sets it from `data_dir`), as
+TFDS_DATA_DIR does for TFDS; a task builds its files on first read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import seqio
+import tensorflow as tf
+
+from capibara_exp.data import corpus
+
+DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
+DEFAULT_DATA_DIR = Path.home() / ".cache" / "capibara-exp" / "data"
+BYTES_LM = "capibara_bytes_lm"
+
+VOCABULARY = seqio.ByteVocabulary()
+LM_OUTPUT_FEATURES = {"targets": seqio.Feature(vocabulary=VOCABULARY, add_eos=True)}
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
+
+
+def _corpus_lines(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+    del shuffle_files, seed  # one file per split; examples are shuffled by seqio
+    corpus.build_corpus(data_dir())
+    path = corpus.corpus_dir(data_dir()) / f"{split}.txt"
+    return tf.data.TextLineDataset(str(path)).map(lambda line: {"text": line})
+
+
+@seqio.map_over_dataset
+def _text_to_targets(ex: dict) -> dict:
+    return {"targets": ex["text"]}
+
+
+
+
+def split_to_length(dataset: tf.data.Dataset, sequence_length: dict, output_features: dict
+                    ) -> tf.data.Dataset:
+    """Cut tokenized targets longer than the feature length (less the EOS) into pieces."""
+    del output_features
+    piece = sequence_length["targets"] - 1
+
+    def pieces(ex: dict) -> tf.data.Dataset:
+        tokens = ex["targets"]
+        pad = tf.math.floormod(-tf.size(tokens), piece)
+        rows = tf.reshape(tf.pad(tokens, [[0, pad]], constant_values=-1), [-1, piece])
+        ragged = tf.RaggedTensor.from_tensor(rows, padding=-1)
+        return tf.data.Dataset.from_tensor_slices({"targets": ragged}).map(
+            lambda r: {"targets": tf.cast(r["targets"], tokens.dtype)})
+
+    return dataset.flat_map(pieces)
+
+
+def register() -> None:
+    """Register the project's tasks (idempotent)."""
+    if BYTES_LM in seqio.TaskRegistry.names():
+        return
+    seqio.TaskRegistry.add(
+        BYTES_LM,
+        source=seqio.FunctionDataSource(dataset_fn=_corpus_lines, splits=("train", "validation")),
+        preprocessors=[
+            _text_to_targets,
+            seqio.preprocessors.tokenize,
+            split_to_length,
+            seqio.preprocessors.append_eos_after_trim,
+        ],
+        output_features=LM_OUTPUT_FEATURES,
+        metric_fns=[],
+    )
+
+
+register()

@@ -1,0 +1,163 @@
+"""T5X's `utils` config surface for the local engine (gin: `from ... import config as utils`).
+
+Same names, parameters and meanings as t5x/utils.py for what the local runtime does; a
+T5X parameter it does not implement is an error naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+
+class UnsupportedParameter(ValueError):
+    """A T5X parameter that the local engine does not implement was set."""
+
+
+def reject_unsupported(owner: str, **params: Any) -> None:
+    """Raise for every parameter given a value other than its (T5X) default of None/False."""
+    for name, value in params.items():
+        if value not in (None, False, (), []):
+            raise UnsupportedParameter(
+                f"{owner}.{name}={value!r} is a T5X parameter the local engine does not "
+                "support; remove the binding or run with engine=t5x")
+
+
+@dataclasses.dataclass
+class DatasetConfig:
+    """One data set: a SeqIO task or mixture, split, batch and packing."""
+
+    mixture_or_task_name: str
+    task_feature_lengths: Mapping[str, int]
+    split: str
+    batch_size: int
+    shuffle: bool
+    seed: int | None
+    use_cached: bool = False
+    pack: bool = False
+    use_custom_packing_ops: bool = False
+    module: str | Sequence[str] | None = None
+    use_memory_cache: bool = True
+    trim_output_features: bool = True
+
+    def __post_init__(self) -> None:
+        reject_unsupported("utils.DatasetConfig", use_cached=self.use_cached,
+                           use_custom_packing_ops=self.use_custom_packing_ops)
+        if self.batch_size <= 0:
+            raise ValueError(f"utils.DatasetConfig.batch_size must be positive, got {self.batch_size}")
+        if not self.task_feature_lengths:
+            raise ValueError("utils.DatasetConfig.task_feature_lengths is empty")
+
+
+@dataclasses.dataclass
+class SaveCheckpointConfig:
+    """When and how to write checkpoints."""
+
+    dtype: str = "float32"
+    period: int | None = None
+    checkpoint_steps: Sequence[int] | None = None
+    keep: int | None = None
+    save_dataset: bool = False
+    checkpointer_cls: Any = None
+    state_transformation_fns: Sequence[Callable] = ()
+    checkpoint_manager_cls: Any = None
+    keep_dataset_checkpoints: int | None = None
+
+    def __post_init__(self) -> None:
+        reject_unsupported("utils.SaveCheckpointConfig", save_dataset=self.save_dataset,
+                           checkpointer_cls=self.checkpointer_cls,
+                           state_transformation_fns=tuple(self.state_transformation_fns),
+                           checkpoint_manager_cls=self.checkpoint_manager_cls)
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"utils.SaveCheckpointConfig.keep must be >= 1 or None, got {self.keep}")
+        _check_dtype("utils.SaveCheckpointConfig.dtype", self.dtype)
+
+
+@dataclasses.dataclass
+class RestoreCheckpointConfig:
+    """Where to restore from. The data position is restored with the step (deterministic input)."""
+
+    path: str | Sequence[str]
+    mode: str = "latest"
+    assignment_map: Any = None
+    strict: bool = True
+    fallback_to_scratch: bool = False
+    dtype: str | None = None
+    restore_dataset: bool = False
+    checkpointer_cls: Any = None
+    state_transformation_fns: Sequence[Callable] = ()
+    checkpoint_manager_cls: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("latest", "specific"):
+            raise ValueError(f"utils.RestoreCheckpointConfig.mode: '{self.mode}' is not supported "
+                             "by the local engine (use 'latest' or 'specific')")
+        reject_unsupported("utils.RestoreCheckpointConfig", assignment_map=self.assignment_map,
+                           checkpointer_cls=self.checkpointer_cls,
+                           state_transformation_fns=tuple(self.state_transformation_fns),
+                           checkpoint_manager_cls=self.checkpoint_manager_cls)
+        if self.dtype is not None:
+            _check_dtype("utils.RestoreCheckpointConfig.dtype", self.dtype)
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    save: SaveCheckpointConfig | None = None
+    restore: RestoreCheckpointConfig | None = None
+
+
+def _check_dtype(where: str, dtype: str) -> None:
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"{where}: '{dtype}' is not one of 'float32', 'bfloat16'")
+
+
+_FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay", "decay_every",
+            "cosine_decay", "linear_decay")
+
+
+def create_learning_rate_scheduler(
+    factors: str = "constant * linear_warmup * rsqrt_decay",
+    base_learning_rate: float = 0.5,
+    warmup_steps: int = 1000,
+    decay_factor: float = 0.5,
+    steps_per_cycle: int = 20000,
+    step_offset: int = 0,
+    min_learning_rate: float = 1e-8,
+) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    """T5X's factor-product schedule: step -> learning rate (a jnp scalar)."""
+    names = [n.strip() for n in factors.split("*")]
+    for name in names:
+        if name not in _FACTORS:
+            raise ValueError(f"utils.create_learning_rate_scheduler.factors: unknown factor '{name}' "
+                             f"(known: {', '.join(_FACTORS)})")
+
+    def step_fn(step: jnp.ndarray) -> jnp.ndarray:
+        step = jnp.maximum(0, step - step_offset).astype(jnp.float32)
+        ret = jnp.float32(1.0)
+        for name in names:
+            if name == "constant":
+                ret *= base_learning_rate
+            elif name == "linear_warmup":
+                ret *= jnp.minimum(1.0, step / warmup_steps)
+            elif name == "rsqrt_decay":
+                ret /= jnp.sqrt(jnp.maximum(step, warmup_steps))
+            elif name == "rsqrt_normalized_decay":
+                ret *= jnp.sqrt(warmup_steps) / jnp.sqrt(jnp.maximum(step, warmup_steps))
+            elif name == "decay_every":
+                ret *= decay_factor ** (step // steps_per_cycle)
+            elif name == "cosine_decay":
+                progress = jnp.maximum(0.0, (step - warmup_steps) / float(steps_per_cycle))
+                ret *= jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * (progress % 1.0))))
+            elif name == "linear_decay":
+                progress = jnp.maximum(0.0, (step - warmup_steps) / float(steps_per_cycle))
+                ret *= 1.0 - (progress % 1.0)
+        return jnp.maximum(ret, min_learning_rate).astype(jnp.float32)
+
+    return step_fn

@@ -1,0 +1,85 @@
+"""Run metrics: metrics.jsonl, TensorBoard event files, and a live progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from tensorboardX import SummaryWriter
+
+
+def summarize(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token averages from summed step metrics (sums over any number of steps)."""
+    tokens = max(sums.get("weight_sum", 0.0), 1.0)
+    out = {
+        "loss": sums["loss_sum"] / tokens,
+        "cross_ent_loss": sums["cross_ent_sum"] / tokens,
+        "z_loss": sums["z_loss_sum"] / tokens,
+        "accuracy": sums["correct_sum"] / tokens,
+        "target_tokens": sums.get("weight_sum", 0.0),
+    }
+    out["perplexity"] = math.exp(min(out["cross_ent_loss"], 50.0))
+    return out
+
+
+class MetricsWriter:
+    """One writer per run: JSON lines plus a TensorBoard directory per split."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.model_dir / "metrics.jsonl", "a", buffering=1)
+        self._tb: dict[str, SummaryWriter] = {}
+
+    def tensorboard(self, split: str) -> SummaryWriter:
+        if split not in self._tb:
+            self._tb[split] = SummaryWriter(str(self.model_dir / split))
+        return self._tb[split]
+
+    def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
+        record = {"step": int(step), "split": split, "time": time.time(),
+                  **{k: float(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        tb = self.tensorboard(split)
+        for key, value in metrics.items():
+            tb.add_scalar(key, float(value), int(step))
+
+    def text(self, step: int, split: str, tag: str, text: str) -> None:
+        self.tensorboard(split).add_text(tag, text, int(step))
+
+    def close(self) -> None:
+        self._jsonl.close()
+        for tb in self._tb.values():
+            tb.close()
+
+
+class Progress:
+    """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal."""
+
+    def __init__(self, total_steps: int, stream: TextIO = sys.stderr):
+        self.total_steps = total_steps
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, step_s: float) -> None:
+        eta = max(self.total_steps - step, 0) * step_s
+        line = (f"step {step}/{self.total_steps}  loss {loss:.4f}  "
+                f"{tokens_per_s / 1e3:.1f}k tok/s  {step_s * 1e3:.0f} ms/step  ETA {_clock(eta)}")
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

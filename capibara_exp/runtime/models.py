@@ -1,0 +1,104 @@
+"""T5X's `models.DecoderOnlyModel` for the local engine: a module, a vocabulary, a loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import seqio
+from flax import linen as nn
+from flax.core import unfreeze
+
+from capibara_exp.runtime.config import reject_unsupported
+
+Batch = dict[str, jnp.ndarray]
+
+# The batch features of seqio.DecoderFeatureConverter that reach the module.
+_MODULE_FEATURES = ("decoder_segment_ids", "decoder_positions")
+
+
+def cross_entropy_with_z_loss(logits_BxLxV: jnp.ndarray, targets_BxL: jnp.ndarray,
+                              label_smoothing: float, z_loss: float
+                              ) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Per-token (total loss, z loss) as T5X defines them (label smoothing normalised)."""
+    vocab = logits_BxLxV.shape[-1]
+    confidence = 1.0 - label_smoothing
+    low = label_smoothing / (vocab - 1)
+    normalizer = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20))
+    soft_BxLxV = jax.nn.one_hot(targets_BxL, vocab) * (confidence - low) + low
+    log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    log_softmax_BxLxV = logits_BxLxV - log_z_BxL[..., None]
+    xent_BxL = -jnp.sum(soft_BxLxV * log_softmax_BxLxV, axis=-1) - normalizer
+    z_BxL = z_loss * jnp.square(log_z_BxL)
+    return xent_BxL + z_BxL, z_BxL
+
+
+class DecoderOnlyModel:
+    """A decoder-only LM; `loss_fn` sums token losses unless loss_normalizing_factor is set."""
+
+    FEATURE_CONVERTER_CLS = seqio.DecoderFeatureConverter
+
+    def __init__(
+        self,
+        module: nn.Module,
+        vocabulary: seqio.Vocabulary,
+        optimizer_def: Any,
+        decode_fn: Any = None,
+        inputs_bidirectional_attention: bool = False,
+        feature_converter_cls: Any = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        loss_normalizing_factor: float | None = None,
+    ):
+        reject_unsupported("models.DecoderOnlyModel", decode_fn=decode_fn,
+                           feature_converter_cls=feature_converter_cls)
+        if loss_normalizing_factor is not None and not isinstance(loss_normalizing_factor, (int, float)):
+            raise ValueError("models.DecoderOnlyModel.loss_normalizing_factor: the local engine takes "
+                             f"a number or None, got {loss_normalizing_factor!r}")
+        self.module = module
+        self.vocabulary = vocabulary
+        self.optimizer_def = optimizer_def
+        self.inputs_bidirectional_attention = inputs_bidirectional_attention
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.loss_normalizing_factor = loss_normalizing_factor
+
+    def get_initial_variables(self, rng: jax.Array, batch_size: int, length: int) -> dict:
+        """Initial 'params' and 'params_axes' for inputs of [batch_size, length]."""
+        tokens = jnp.ones((batch_size, length), jnp.int32)
+        variables = self.module.init({"params": rng, "dropout": rng}, tokens, tokens,
+                                     tokens, jnp.broadcast_to(jnp.arange(length), tokens.shape),
+                                     enable_dropout=False)
+        return unfreeze(variables)
+
+    def logits(self, params: Any, batch: Batch, dropout_rng: jax.Array | None) -> jnp.ndarray:
+        features = {k: batch[k] for k in _MODULE_FEATURES if k in batch}
+        if self.inputs_bidirectional_attention:
+            features["decoder_causal_attention"] = batch["decoder_causal_attention"]
+        rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
+        return self.module.apply({"params": params}, batch["decoder_input_tokens"],
+                                 batch["decoder_target_tokens"], **features,
+                                 enable_dropout=dropout_rng is not None, rngs=rngs)
+
+    def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None
+                ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+        """(loss to differentiate, metric sums over the batch's real tokens)."""
+        logits_BxLxV = self.logits(params, batch, dropout_rng).astype(jnp.float32)
+        targets_BxL = batch["decoder_target_tokens"]
+        weights_BxL = batch.get("decoder_loss_weights", targets_BxL > 0).astype(jnp.float32)
+        loss_BxL, z_BxL = cross_entropy_with_z_loss(logits_BxLxV, targets_BxL,
+                                                    self.label_smoothing, self.z_loss)
+        loss = jnp.sum(loss_BxL * weights_BxL)
+        if self.loss_normalizing_factor is not None:
+            loss = loss / self.loss_normalizing_factor
+        correct_BxL = (jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL).astype(jnp.float32)
+        z_sum = jnp.sum(z_BxL * weights_BxL)
+        sums = {
+            "loss_sum": jnp.sum(loss_BxL * weights_BxL),
+            "z_loss_sum": z_sum,
+            "cross_ent_sum": jnp.sum(loss_BxL * weights_BxL) - z_sum,
+            "correct_sum": jnp.sum(correct_BxL * weights_BxL),
+            "weight_sum": jnp.sum(weights_BxL),
+        }
+        return loss, sums

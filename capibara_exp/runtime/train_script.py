@@ -1,0 +1,249 @@
+"""`train_script.train`: T5X's train contract, run by the local engine.
+
+A plain function of its arguments (gin binds them at the edge, in gin_utils). It builds
+the state, restores the latest checkpoint with the data position, then trains, evaluates,
+checkpoints and runs actions on T5X's schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from capibara_exp.kernels import segment_stats
+from capibara_exp.runtime import checkpoints, inputs
+from capibara_exp.runtime.config import CheckpointConfig, DatasetConfig, reject_unsupported
+from capibara_exp.runtime.metrics import MetricsWriter, Progress, summarize
+from capibara_exp.runtime.trainer import BaseAction, Trainer, TrainState
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or Inf; the last good checkpoint is left as it was."""
+
+
+def _periods_check(total_steps: int, eval_period: int | None, save_period: int | None) -> int:
+    """Steps between evaluations; the checkpoint period must be a multiple of it (as in T5X)."""
+    epoch = eval_period or total_steps
+    if epoch <= 0:
+        raise ValueError(f"train_script.train.eval_period must be positive, got {eval_period}")
+    if save_period and save_period % epoch:
+        raise ValueError(f"utils.SaveCheckpointConfig.period={save_period} is not a multiple of "
+                         f"train_script.train.eval_period={epoch}")
+    return epoch
+
+
+def _opt_state_axes(opt_shapes: Any, param_axes: Any) -> Any:
+    """Logical axes of the optimizer state: a param's axes where its path ends in that param's."""
+    by_path = {tuple(map(str, path)): spec for path, spec in
+               jax.tree_util.tree_flatten_with_path(
+                   param_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]}
+
+    def axes_for(path, leaf):
+        keys = tuple(map(str, path))
+        for start in range(len(keys)):
+            spec = by_path.get(keys[start:])
+            if spec is not None and len(spec) == len(leaf.shape):
+                return spec
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(axes_for, opt_shapes)
+
+
+def initial_state(model: Any, rng: jax.Array, batch_size: int, length: int
+                  ) -> tuple[TrainState, TrainState]:
+    """(state, logical axes of the state) for a model and an input shape."""
+    variables = model.get_initial_variables(rng, batch_size, length)
+    params = variables["params"]
+    from flax.linen import partitioning as nn_partitioning
+
+    param_axes = nn_partitioning.get_axis_names(variables["params_axes"])
+    tx = model.optimizer_def.optax_optimizer
+    opt_state = tx.init(params)
+    state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=opt_state)
+    axes = TrainState(step=PartitionSpec(), params=param_axes,
+                      opt_state=_opt_state_axes(opt_state, param_axes))
+    return state, axes
+
+
+def _sum_metrics(window: Sequence[dict]) -> dict[str, float]:
+    fetched = jax.device_get(list(window))
+    return {k: float(np.sum([m[k] for m in fetched])) for k in fetched[0]}
+
+
+def _first_bad_step(window: Sequence[dict], first_step: int) -> int | None:
+    for offset, m in enumerate(jax.device_get(list(window))):
+        if not (np.isfinite(m["loss_sum"]) and np.isfinite(m["grad_norm"])):
+            return first_step + offset
+    return None
+
+
+def train(
+    *,
+    model: Any,
+    train_dataset_cfg: DatasetConfig,
+    train_eval_dataset_cfg: DatasetConfig | None,
+    infer_eval_dataset_cfg: DatasetConfig | None,
+    checkpoint_cfg: CheckpointConfig,
+    partitioner: Any,
+    trainer_cls: Callable[..., Trainer],
+    model_dir: str,
+    total_steps: int,
+    eval_steps: int,
+    eval_period: int,
+    stats_period: int | None = None,
+    random_seed: int | None,
+    use_hardware_rng: bool = False,
+    summarize_config_fn: Callable[[str, Any, int], None],
+    inference_evaluator_cls: Any = None,
+    get_dataset_fn: Any = None,
+    concurrent_metrics: bool = True,
+    actions: Mapping[str, Sequence[BaseAction]] | None = None,
+    train_eval_get_dataset_fn: Any = None,
+    run_eval_before_training: bool = False,
+    train_state_initializer_cls: Any = None,
+    use_orbax: bool = True,
+    verify_matching_vocabs_fn: Any = None,
+    gc_period: int = 0,
+) -> tuple[int, TrainState]:
+    """Train `model` for `total_steps`, resuming from the latest checkpoint in model_dir."""
+    reject_unsupported("train_script.train", infer_eval_dataset_cfg=infer_eval_dataset_cfg,
+                       use_hardware_rng=use_hardware_rng,
+                       inference_evaluator_cls=inference_evaluator_cls,
+                       get_dataset_fn=get_dataset_fn,
+                       train_eval_get_dataset_fn=train_eval_get_dataset_fn,
+                       train_state_initializer_cls=train_state_initializer_cls,
+                       verify_matching_vocabs_fn=verify_matching_vocabs_fn)
+    del concurrent_metrics, use_orbax, gc_period  # always Orbax, synchronous metrics
+    save_cfg, restore_cfg = checkpoint_cfg.save, checkpoint_cfg.restore
+    epoch = _periods_check(total_steps, eval_period, save_cfg.period if save_cfg else None)
+    stats_period = stats_period or epoch
+    if random_seed is None:
+        random_seed = random.SystemRandom().randint(0, 2**31 - 1)
+    model_dir = str(Path(model_dir).absolute())
+    writer = MetricsWriter(model_dir)
+    progress = Progress(total_steps)
+
+    init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(random_seed))
+    length = max(train_dataset_cfg.task_feature_lengths.values())
+    batch_size = train_dataset_cfg.batch_size
+    state, state_axes = initial_state(model, init_rng, batch_size, length)
+    trainer = trainer_cls(model=model, train_state=state, partitioner=partitioner,
+                          eval_names=[], summary_dir=model_dir, train_state_axes=state_axes,
+                          rng=dropout_rng)
+    trainer.check_batch_size(batch_size)
+    state = jax.device_put(state, trainer.state_shardings)
+
+    state, start_step = _restore(state, restore_cfg, model_dir, progress)
+    data_seed = train_dataset_cfg.seed if train_dataset_cfg.seed is not None else random_seed
+    train_iter = inputs.batches(train_dataset_cfg, model.FEATURE_CONVERTER_CLS, data_seed,
+                                skip_batches=start_step)
+    eval_batches = _eval_batches(train_eval_dataset_cfg, model, eval_steps)
+    mgr = checkpoints.manager(model_dir, save_cfg.keep) if save_cfg else None
+    data_sharding = partitioner.data_sharding()
+
+    step, window, window_start, wait_s, tokens = start_step, [], None, 0.0, 0
+    t_window = time.perf_counter()
+    stop = False
+    while step < total_steps and not stop:
+        t0 = time.perf_counter()
+        host_batch = next(train_iter)
+        wait_s += time.perf_counter() - t0
+        tokens += int(segment_stats.segment_stats(host_batch["decoder_segment_ids"])[0].sum()) \
+            if "decoder_segment_ids" in host_batch else int(host_batch["decoder_loss_weights"].sum())
+        state, step_metrics = trainer.train_step(state, jax.device_put(host_batch, data_sharding))
+        window.append(step_metrics)
+        window_start = step if window_start is None else window_start
+        step += 1
+        if step == start_step + 1:
+            jax.block_until_ready(step_metrics)  # compile done: time from here
+            summarize_config_fn(model_dir, writer, step)
+            window, window_start, wait_s, tokens = [], None, 0.0, 0
+            t_window = time.perf_counter()
+            progress.message(f"compiled and ran step {step}; training to step {total_steps}")
+            continue
+        end_of_epoch = step % epoch == 0 or step == total_steps
+        if window and (step % stats_period == 0 or end_of_epoch):
+            _check_finite(window, window_start)
+            elapsed = time.perf_counter() - t_window
+            sums = _sum_metrics(window)
+            m = summarize(sums)
+            n = len(window)
+            m.update(learning_rate=float(jax.device_get(window[-1]["learning_rate"])),
+                     grad_norm=sums["grad_norm"] / n, step_time_s=elapsed / n,
+                     tokens_per_s=tokens / elapsed, data_wait_share=wait_s / elapsed,
+                     packing_fill=tokens / (n * batch_size * length))
+            writer.write(step, "train", m)
+            progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"])
+            window, window_start, wait_s, tokens = [], None, 0.0, 0
+            t_window = time.perf_counter()
+        if end_of_epoch:
+            if window:
+                _check_finite(window, window_start)
+            metrics_by_task = {}
+            if eval_batches:
+                eval_m = summarize(_sum_metrics([trainer.eval_step(state, b) for b in eval_batches]))
+                writer.write(step, "train_eval", eval_m)
+                metrics_by_task[train_eval_dataset_cfg.mixture_or_task_name] = eval_m
+                progress.message(f"step {step}: eval loss {eval_m['loss']:.4f} "
+                                 f"accuracy {eval_m['accuracy']:.4f}")
+            if mgr and (step % (save_cfg.period or total_steps) == 0 or step == total_steps):
+                checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
+            for action in (actions or {}).get("TRAIN_EVAL", []):
+                stop = action.run(state, metrics_by_task) or stop
+            t_window = time.perf_counter()
+    if stop and mgr and step not in checkpoints.steps(model_dir):
+        checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
+    if mgr:
+        mgr.close()
+    summarize_config_fn(model_dir, writer, step)
+    writer.close()
+    progress.message(f"finished at step {step}; checkpoints in {model_dir}")
+    return step, state
+
+
+def _check_finite(window: Sequence[dict], first_step: int) -> None:
+    bad = _first_bad_step(window, first_step)
+    if bad is not None:
+        raise TrainingDiverged(f"loss or gradient became NaN/Inf at step {bad + 1}; training "
+                               "stopped, the last checkpoint written before it is intact")
+
+
+def _restore(state: TrainState, cfg: Any, model_dir: str, progress: Progress
+             ) -> tuple[TrainState, int]:
+    """Restore the latest (or a specific) checkpoint; the step is also the data position."""
+    if cfg is None:
+        return state, 0
+    for path in cfg.paths:
+        found = checkpoints.steps(path) if cfg.mode == "latest" else []
+        if cfg.mode == "specific":
+            ckpt = Path(path)
+            found = [int(ckpt.name.split("_")[-1])] if ckpt.name.startswith("checkpoint_") else []
+            path = str(ckpt.parent)
+        if found:
+            template = state.state_dict()
+            if cfg.dtype:
+                template = checkpoints.cast_floats(template, cfg.dtype)
+            tree = checkpoints.restore(path, found[-1], template)
+            tree = jax.tree.map(lambda r, t: r.astype(t.dtype), tree, state.state_dict())
+            progress.message(f"restored {path}/checkpoint_{found[-1]}")
+            restored = state.restore_state(tree)
+            return restored, int(jax.device_get(restored.step))
+    if not cfg.fallback_to_scratch and cfg.mode == "specific":
+        raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at {cfg.path}")
+    return state, 0
+
+
+def _eval_batches(cfg: DatasetConfig | None, model: Any, eval_steps: int) -> list[dict]:
+    """The same eval_steps batches for every evaluation, so curves compare like with like."""
+    if cfg is None or eval_steps <= 0:
+        return []
+    it = inputs.batches(cfg, model.FEATURE_CONVERTER_CLS, cfg.seed, repeat=True)
+    return [next(it) for _ in range(eval_steps)]
