@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +34,37 @@ def _app(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def _config_dirs(argv: list[str]) -> list[Path]:
+    dirs = [CONF_DIR]
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]))
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]))
+    return dirs
+
+
+def check_yaml(dirs: list[Path]) -> str | None:
+    """One line naming the file, line and problem of the first malformed YAML file, if any."""
+    import yaml
+
+    for root in dirs:
+        for path in sorted(Path(root).rglob("*.yaml")):
+            try:
+                yaml.safe_load(path.read_text())
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+                problem = getattr(err, "problem", None) or str(err)
+                return f"{where}: malformed YAML: {problem}"
+    return None
+
+
 def main() -> None:
+    problem = check_yaml(_config_dirs(sys.argv[1:]))
+    if problem:
+        print(f"capibara-exp: configuration error: {problem}", file=sys.stderr)
+        sys.exit(2)
     register_resolvers()
     _app()
 

@@ -101,7 +101,8 @@ def to_gin_literal(value: object, where: str = "value") -> str:
         for k, v in value.items():
             if not isinstance(k, (str, int, bool)) or isinstance(k, GinReference):
                 raise ConfigError(f"{where}: dict key {k!r} must be a string or an int")
-            parts.append(f"{to_gin_literal(k, where)}: {to_gin_literal(v, where)}")
+            key = repr(k) if isinstance(k, str) else to_gin_literal(k, where)  # never a reference
+            parts.append(f"{key}: {to_gin_literal(v, where)}")
         return "{" + ", ".join(parts) + "}"
     raise ConfigError(f"{where}: {type(value).__name__} value {value!r} cannot be written in gin")
 
@@ -177,13 +178,15 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
     out.append("# ===== values from conf/ (fill the %gin.REQUIRED macros above)")
     for macro, (key, value) in values.items():
         out.append(f"{macro} = {to_gin_literal(value, key)}  # {key}")
-    extra = _container(cfg.get("gin_bindings") or {})
+    extra = OmegaConf.to_container(cfg.gin_bindings) if cfg.get("gin_bindings") else []
     if extra:
         out.append("\n# ===== gin_bindings (applied last)")
-        for key, value in extra.items():
-            if not _BINDING_KEY_RE.match(str(key)):
-                raise ConfigError(f"gin_bindings: '{key}' is not a gin binding key (scope/name.param)")
-            out.append(f"{key} = {to_gin_literal(value, f'gin_bindings.{key}')}")
+        for i, binding in enumerate(extra):
+            key, eq, value = str(binding).partition("=")
+            if not eq or not _BINDING_KEY_RE.match(key.strip()) or not value.strip():
+                raise ConfigError(f"gin_bindings[{i}]: {binding!r} is not a gin binding "
+                                  "'scope/name.param = value'")
+            out.append(f"{key.strip()} = {value.strip()}")
     return "\n".join(out) + "\n"
 
 

@@ -20,8 +20,10 @@ GOLDEN = Path(__file__).parent / "golden" / "dense_tiny_lm.local.gin"
 
 # ----------------------------------------------------------------------------- literals
 
+# Strings shaped like references (@name, %MACRO) render as references by design: not literals.
+plain_text = st.text(max_size=30).filter(lambda s: not gin_bridge._REFERENCE_RE.match(s))
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30))
+           | st.floats(allow_nan=False, allow_infinity=False) | plain_text)
 keys = st.text(max_size=10) | st.integers(min_value=-1000, max_value=1000)
 values = st.recursive(
     scalars,
@@ -49,8 +51,6 @@ def _same(a: object, b: object) -> bool:
 @settings(max_examples=300, deadline=None)
 @given(values)
 def test_literal_round_trips_through_gin(value: object) -> None:
-    if isinstance(value, str) and value.startswith(("@", "%")):
-        return  # reference syntax, covered below
     assert _same(_parse_back(to_gin_literal(value)), value), to_gin_literal(value)
 
 
@@ -149,8 +149,8 @@ def test_missing_template_is_an_error() -> None:
 
 
 @pytest.mark.parametrize("binding, pattern", [
-    ("{nets.DecoderConfg.emb_dim: 3}", r"config.gin:\d+ \(from gin_bindings\).*DecoderConfg"),
-    ("{nets.DecoderConfig.embed_dimension: 3}",
+    ("['nets.DecoderConfg.emb_dim = 3']", r"config.gin:\d+ \(from gin_bindings\).*DecoderConfg"),
+    ("['nets.DecoderConfig.embed_dimension = 3']",
      r"config.gin:\d+ \(from gin_bindings\).*embed_dimension"),
 ])
 def test_gin_typos_name_line_and_origin(binding: str, pattern: str, tmp_path: Path) -> None:
@@ -166,14 +166,14 @@ def test_unparsable_template_names_template(tmp_path: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
     broken = templates / "optimizers" / "adamw.gin"
-    broken.write_text(broken.read_text() + "\noptax.adamw.b1 = [1, 2\n")
+    broken.write_text(broken.read_text() + "\noptax.adamw.b1 = )\n")
     text = gin_bridge.render(compose_config(), "local", templates)
     with pytest.raises(ConfigError, match=r"config.gin:\d+ \(from gin/optimizers/adamw.gin\)"):
         gin_utils.parse(tmp_path / "config.gin", text)
 
 
 def test_bad_gin_binding_key_is_an_error() -> None:
-    cfg = compose_config(["gin_bindings={'not a key': 3}"])
+    cfg = compose_config(["gin_bindings=['not a key = 3']"])
     with pytest.raises(ConfigError, match="not a gin binding key"):
         gin_bridge.render(cfg, "local", GIN_DIR)
 

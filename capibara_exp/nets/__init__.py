@@ -1,0 +1,5 @@
+"""The project's Flax networks, with T5X's decoder-only call signature and logical axes."""
+
+from capibara_exp.nets.decoder import Decoder, DecoderConfig
+
+__all__ = ["Decoder", "DecoderConfig"]
