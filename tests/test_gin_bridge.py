@@ -174,7 +174,7 @@ def test_unparsable_template_names_template(tmp_path: Path) -> None:
 
 def test_bad_gin_binding_key_is_an_error() -> None:
     cfg = compose_config(["gin_bindings=['not a key = 3']"])
-    with pytest.raises(ConfigError, match="not a gin binding key"):
+    with pytest.raises(ConfigError, match=r"gin_bindings\[0\].*not a gin binding"):
         gin_bridge.render(cfg, "local", GIN_DIR)
 
 

@@ -53,7 +53,7 @@ def test_two_step_training_writes_checkpoint_metrics_and_configs(tmp_path: Path,
     assert evals and np.isfinite(evals[-1]["loss"]) and 0 <= evals[-1]["accuracy"] <= 1
     assert (tmp_path / "config.gin").exists()
     operative = (tmp_path / "operative_config.gin").read_text()
-    assert "nets.DecoderConfig.emb_dim = 32" in operative
+    assert "EMB_DIM = 32" in operative and "nets.DecoderConfig.emb_dim = %EMB_DIM" in operative
     assert list((tmp_path / "train").glob("events.out.tfevents.*"))
 
 

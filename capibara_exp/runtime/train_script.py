@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import unfreeze
+from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec
 
 from capibara_exp.kernels import segment_stats
@@ -62,9 +64,7 @@ def initial_state(model: Any, rng: jax.Array, batch_size: int, length: int
     """(state, logical axes of the state) for a model and an input shape."""
     variables = model.get_initial_variables(rng, batch_size, length)
     params = variables["params"]
-    from flax.linen import partitioning as nn_partitioning
-
-    param_axes = nn_partitioning.get_axis_names(variables["params_axes"])
+    param_axes = unfreeze(nn_partitioning.get_axis_names(variables["params_axes"]))
     tx = model.optimizer_def.optax_optimizer
     opt_state = tx.init(params)
     state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=opt_state)

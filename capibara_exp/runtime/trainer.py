@@ -114,7 +114,7 @@ class Trainer:
         grads, sums = self._grads(state.params, batch, rng)
         updates, opt_state = self._tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(sums, grad_norm=optax.global_norm(grads),
+        metrics = dict(sums, grad_norm=optax.tree.norm(grads),
                        learning_rate=self.learning_rate_fn(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
