@@ -62,6 +62,7 @@ def run(cfg: DictConfig) -> None:
     """The task function behind `capibara-exp`."""
     from hydra.core.hydra_config import HydraConfig
 
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines (seqio)
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)
