@@ -1,7 +1,7 @@
-"""Where the shipped conf/, gin/ and sweeps/ directories are, installed or in a checkout.
+"""Where the shipped conf/ and gin/ directories are, installed or in a checkout.
 
-A wheel installs them inside the package (capibara_exp/conf, capibara_exp/gin_templates,
-capibara_exp/sweeps); a checkout or an editable install has them at the top level.
+A wheel installs them inside the package (capibara_exp/conf and capibara_exp/gin_templates);
+a checkout or an editable install has them at the top level.
 """
 
 from pathlib import Path
@@ -19,4 +19,3 @@ def _find(top_level: str, installed: str) -> Path:
 
 CONF_DIR = _find("conf", "conf")
 GIN_DIR = _find("gin", "gin_templates")
-SWEEPS_DIR = _find("sweeps", "sweeps")
