@@ -10,6 +10,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
+from flax import serialization, traverse_util
 
 from capibara_exp.runtime.config import reject_unsupported
 
@@ -23,13 +24,28 @@ class TrainState:
     opt_state: Any
 
     def state_dict(self) -> dict:
-        """T5X's checkpoint tree: {'state': {'step', 'param_states'}, 'target': params}."""
+        """T5X's checkpoint tree: {'state': {'step', 'param_states'}, 'target': params}.
+
+        As T5X's OptaxWrapper does, the optax state is a state dict without the empty
+        nodes of stateless transformations (optax.EmptyState), so the trees match.
+        """
+        flat = traverse_util.flatten_dict(serialization.to_state_dict(self.opt_state), sep="/")
         return {"state": {"step": self.step,
-                          "param_states": flax.serialization.to_state_dict(self.opt_state)},
+                          "param_states": traverse_util.unflatten_dict(flat, sep="/")},
                 "target": self.params}
 
     def restore_state(self, tree: Mapping) -> TrainState:
-        opt_state = flax.serialization.from_state_dict(self.opt_state, tree["state"]["param_states"])
+        """The inverse of state_dict: empty nodes come back from this state's own structure."""
+        reference = traverse_util.flatten_dict(serialization.to_state_dict(self.opt_state),
+                                               keep_empty_nodes=True, sep="/")
+        given = traverse_util.flatten_dict(dict(tree["state"]["param_states"]), sep="/")
+        for key, value in reference.items():
+            if key not in given:
+                if value is not traverse_util.empty_node:
+                    raise ValueError(f"checkpoint has no optimizer state at param_states/{key}")
+                given[key] = value
+        opt_state = serialization.from_state_dict(
+            self.opt_state, traverse_util.unflatten_dict(given, sep="/"))
         return self.replace(step=jnp.asarray(tree["state"]["step"]), params=tree["target"],
                             opt_state=opt_state)
 
