@@ -82,3 +82,16 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path, data_
               "schedule.lr_factors=constant", "optimizer.grad_clip_norm=1e30", *common)
     assert checkpoints.steps(tmp_path) == [2]
     assert leaves_equal(read_checkpoint(tmp_path, 2), good)
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_is_an_error_naming_it(tmp_path: Path, data_dir) -> None:
+    common = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
+    train(tmp_path, "trainer.train_steps=2", *common)
+    data_files = [p for p in (tmp_path / "checkpoint_2" / "state").rglob("*")
+                  if p.is_file() and p.stat().st_size > 1000]
+    assert data_files
+    for path in data_files:  # truncate the array data
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    with pytest.raises(checkpoints.CheckpointError, match=r"checkpoint_2/state cannot be restored"):
+        train(tmp_path, "trainer.train_steps=4", *common)
