@@ -32,10 +32,11 @@ def capibara(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_t5x_trains_the_gin_and_checkpoints_cross_between_engines(tmp_path: Path, data_dir) -> None:
     model_dir = tmp_path / "model"
-    common = [f"model_dir={model_dir}", f"data_dir={data_dir}", f"engine.python={sys.executable}"]
-    capibara("engine=t5x", *common, cwd=tmp_path)
+    common = [f"model_dir={model_dir}", f"data_dir={data_dir}"]
+    t5x = ["engine=t5x", f"engine.python={sys.executable}"]
+    capibara(*t5x, *common, cwd=tmp_path)
     assert checkpoints.steps(model_dir)[-2:] == [2, 4]  # T5X also writes checkpoint_0
     out = capibara("engine=local", "trainer.train_steps=6", *common, cwd=tmp_path)
     assert f"restored {model_dir}/checkpoint_4" in out.stderr
-    capibara("engine=t5x", "trainer.train_steps=8", *common, cwd=tmp_path)
+    capibara(*t5x, "trainer.train_steps=8", *common, cwd=tmp_path)
     assert checkpoints.steps(model_dir)[-1] == 8
