@@ -95,3 +95,10 @@ def test_damaged_checkpoint_is_an_error_naming_it(tmp_path: Path, data_dir) -> N
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
     with pytest.raises(checkpoints.CheckpointError, match=r"checkpoint_2/state cannot be restored"):
         train(tmp_path, "trainer.train_steps=4", *common)
+
+
+@pytest.mark.slow
+def test_only_the_last_n_checkpoints_are_kept(tmp_path: Path, data_dir) -> None:
+    train(tmp_path, "trainer.train_steps=6", "trainer.eval_period=2",
+          "checkpoint.checkpoint_period=2", "checkpoint.checkpoints_to_keep=2")
+    assert checkpoints.steps(tmp_path) == [4, 6]

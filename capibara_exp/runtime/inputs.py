@@ -7,8 +7,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import seqio
+import tensorflow as tf
 
 from capibara_exp.runtime.config import DatasetConfig
+
+INPUT_THREADS = 1
 
 
 def import_modules(cfg: DatasetConfig) -> None:
@@ -31,4 +34,9 @@ def batches(cfg: DatasetConfig, feature_converter_cls: type, seed: int | None,
     ds = ds.batch(cfg.batch_size, drop_remainder=True)
     if skip_batches:
         ds = ds.skip(skip_batches)
-    return ds.prefetch(2).as_numpy_iterator()
+    # Input work runs beside the jitted step on the same cores: one thread is enough to
+    # keep ahead of it, and more only oversubscribe the cores XLA is computing on.
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = INPUT_THREADS
+    options.threading.max_intra_op_parallelism = 1
+    return ds.with_options(options).prefetch(2).as_numpy_iterator()
