@@ -102,3 +102,11 @@ def test_only_the_last_n_checkpoints_are_kept(tmp_path: Path, data_dir) -> None:
     train(tmp_path, "trainer.train_steps=6", "trainer.eval_period=2",
           "checkpoint.checkpoint_period=2", "checkpoint.checkpoints_to_keep=2")
     assert checkpoints.steps(tmp_path) == [4, 6]
+
+
+def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir) -> None:
+    step, _ = train(tmp_path, "trainer.train_steps=1", "trainer.eval_period=1",
+                    "checkpoint.checkpoint_period=1")
+    assert step == 1 and checkpoints.steps(tmp_path) == [1]
+    splits = [json.loads(line)["split"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "train_eval" in splits

@@ -78,13 +78,6 @@ def _sum_metrics(window: Sequence[dict]) -> dict[str, float]:
     return {k: float(np.sum([m[k] for m in fetched])) for k in fetched[0]}
 
 
-def _first_bad_step(window: Sequence[dict], first_step: int) -> int | None:
-    for offset, m in enumerate(jax.device_get(list(window))):
-        if not (np.isfinite(m["loss_sum"]) and np.isfinite(m["grad_norm"])):
-            return first_step + offset
-    return None
-
-
 def train(
     *,
     model: Any,
@@ -149,44 +142,24 @@ def train(
     mgr = checkpoints.manager(model_dir, save_cfg.keep) if save_cfg else None
     data_sharding = partitioner.data_sharding()
 
-    step, window, window_start, wait_s, tokens = start_step, [], None, 0.0, 0
-    t_window = time.perf_counter()
-    stop = False
+    window = _Window(batch_size * length)
+    step, stop = start_step, False
     while step < total_steps and not stop:
-        t0 = time.perf_counter()
-        host_batch = next(train_iter)
-        wait_s += time.perf_counter() - t0
-        tokens += int(segment_stats.segment_stats(host_batch["decoder_segment_ids"])[0].sum()) \
-            if "decoder_segment_ids" in host_batch else int(host_batch["decoder_loss_weights"].sum())
+        host_batch = window.next_batch(train_iter)
         state, step_metrics = trainer.train_step(state, jax.device_put(host_batch, data_sharding))
-        window.append(step_metrics)
-        window_start = step if window_start is None else window_start
+        window.add(step, step_metrics)
         step += 1
-        if step == start_step + 1:
-            jax.block_until_ready(step_metrics)  # compile done: time from here
+        if step == start_step + 1:  # compiled: time steady-state steps from here
+            window.check_finite()
             summarize_config_fn(model_dir, writer, step)
-            window, window_start, wait_s, tokens = [], None, 0.0, 0
-            t_window = time.perf_counter()
             progress.message(f"compiled and ran step {step}; training to step {total_steps}")
-            continue
+            window.reset()
         end_of_epoch = step % epoch == 0 or step == total_steps
-        if window and (step % stats_period == 0 or end_of_epoch):
-            _check_finite(window, window_start)
-            elapsed = time.perf_counter() - t_window
-            sums = _sum_metrics(window)
-            m = summarize(sums)
-            n = len(window)
-            m.update(learning_rate=float(jax.device_get(window[-1]["learning_rate"])),
-                     grad_norm=sums["grad_norm"] / n, step_time_s=elapsed / n,
-                     tokens_per_s=tokens / elapsed, data_wait_share=wait_s / elapsed,
-                     packing_fill=tokens / (n * batch_size * length))
+        if window.steps and (step % stats_period == 0 or end_of_epoch):
+            m = window.flush()
             writer.write(step, "train", m)
             progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"])
-            window, window_start, wait_s, tokens = [], None, 0.0, 0
-            t_window = time.perf_counter()
         if end_of_epoch:
-            if window:
-                _check_finite(window, window_start)
             metrics_by_task = {}
             if eval_batches:
                 eval_m = summarize(_sum_metrics([trainer.eval_step(state, b) for b in eval_batches]))
@@ -198,7 +171,7 @@ def train(
                 checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
             for action in (actions or {}).get("TRAIN_EVAL", []):
                 stop = action.run(state, metrics_by_task) or stop
-            t_window = time.perf_counter()
+            window.reset()  # evaluation and checkpointing are not step time
     if stop and mgr and step not in checkpoints.steps(model_dir):
         checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
     if mgr:
@@ -209,11 +182,60 @@ def train(
     return step, state
 
 
-def _check_finite(window: Sequence[dict], first_step: int) -> None:
-    bad = _first_bad_step(window, first_step)
-    if bad is not None:
-        raise TrainingDiverged(f"loss or gradient became NaN/Inf at step {bad + 1}; training "
-                               "stopped, the last checkpoint written before it is intact")
+class _Window:
+    """Step metrics since the last report, with the wall time, data wait and real tokens."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.reset()
+
+    def reset(self) -> None:
+        self.metrics: list[dict] = []
+        self.first_step = 0
+        self.wait_s = 0.0
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    @property
+    def steps(self) -> int:
+        return len(self.metrics)
+
+    def next_batch(self, it) -> dict:
+        t0 = time.perf_counter()
+        batch = next(it)
+        self.wait_s += time.perf_counter() - t0
+        if "decoder_segment_ids" in batch:
+            self.tokens += int(segment_stats.segment_stats(batch["decoder_segment_ids"])[0].sum())
+        else:
+            self.tokens += int(batch["decoder_loss_weights"].sum())
+        return batch
+
+    def add(self, step: int, metrics: dict) -> None:
+        if not self.metrics:
+            self.first_step = step
+        self.metrics.append(metrics)
+
+    def check_finite(self) -> None:
+        """Raise TrainingDiverged naming the first step whose loss or gradient is NaN/Inf."""
+        for offset, m in enumerate(jax.device_get(self.metrics)):
+            if not (np.isfinite(m["loss_sum"]) and np.isfinite(m["grad_norm"])):
+                raise TrainingDiverged(
+                    f"loss or gradient became NaN/Inf at step {self.first_step + offset + 1}; "
+                    "training stopped, the last checkpoint written before it is intact")
+
+    def flush(self) -> dict[str, float]:
+        """The report for this window (after checking it is finite), then a new window."""
+        self.check_finite()
+        elapsed = time.perf_counter() - self.t0
+        n = self.steps
+        sums = _sum_metrics(self.metrics)
+        m = summarize(sums)
+        m.update(learning_rate=float(jax.device_get(self.metrics[-1]["learning_rate"])),
+                 grad_norm=sums["grad_norm"] / n, step_time_s=elapsed / n,
+                 tokens_per_s=self.tokens / elapsed, data_wait_share=self.wait_s / elapsed,
+                 packing_fill=self.tokens / (n * self.tokens_per_step))
+        self.reset()
+        return m
 
 
 def _restore(state: TrainState, cfg: Any, model_dir: str, progress: Progress
