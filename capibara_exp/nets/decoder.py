@@ -1,20 +1,20 @@
 """A T5-style decoder-only Transformer with T5X's decoder call signature and logical axes.
 
 Pre-norm blocks (RMSNorm -> causal self-attention, RMSNorm -> gated-GELU MLP), T5
-relative position bias or rotary embeddings, packing through segment ids and positions,
-prefix-LM through `decoder_causal_attention`. Parameters are float32 and carry T5X's
-logical axis names (the 'params_axes' collection), so `models.DecoderOnlyModel.module =
-@nets.Decoder()` works in real T5X and in the local runtime alike.
+relative position bias (one table shared by all layers, as in T5) or rotary embeddings,
+packing through segment ids and positions, prefix-LM through `decoder_causal_attention`.
+Parameters are float32, named as in T5X's decoder-only example (`layers_0/self_attention/
+query/kernel`, ...) and carry its logical axis names in the 'params_axes' collection, so
+`models.DecoderOnlyModel.module = @nets.Decoder()` works in real T5X and the local runtime.
 
-Shape suffixes: B batch, L length (query), S length (key), D embed, H heads, K head dim,
-F mlp, V vocab.
+Shape suffixes: B batch, L query length, S key length, D embed, H heads, K head dim,
+F mlp, V vocab, N relative-position buckets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +27,15 @@ constrain = nn_partitioning.with_sharding_constraint
 _ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu, "linear": lambda x: x}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _POSITIONS = ("relative", "rope")
+# 'dots' keeps the weight matmuls' outputs (dots without batch dimensions) and recomputes
+# attention scores, which are the large [B, H, L, S] tensors.
 _REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-          "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes and options of the decoder; gin configures it (nets.DecoderConfig.emb_dim = 64)."""
+    """Sizes and options of the decoder; gin binds its fields (nets.DecoderConfig.emb_dim = 64)."""
 
     vocab_size: int
     emb_dim: int
@@ -41,7 +43,7 @@ class DecoderConfig:
     head_dim: int
     num_layers: int
     mlp_dim: int
-    mlp_activations: Sequence[str] = ("gelu", "linear")
+    mlp_activations: tuple[str, ...] = ("gelu", "linear")
     dropout_rate: float = 0.0
     dtype: str = "float32"
     position_embedding: str = "relative"
@@ -52,74 +54,129 @@ class DecoderConfig:
     remat_policy: str = "none"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
-        for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "num_layers", "mlp_dim"):
-            if int(getattr(self, name)) <= 0:
+        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))  # gin/YAML lists
+        for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "num_layers", "mlp_dim",
+                     "relative_attention_num_buckets", "relative_attention_max_distance"):
+            if getattr(self, name) <= 0:
                 raise ValueError(f"DecoderConfig.{name} must be positive, got {getattr(self, name)}")
-        _check_choice("mlp_activations", self.mlp_activations, _ACTIVATIONS)
-        _check_choice("dtype", (self.dtype,), _DTYPES)
-        _check_choice("position_embedding", (self.position_embedding,), _POSITIONS)
-        _check_choice("remat_policy", (self.remat_policy,), _REMAT)
         if not self.mlp_activations:
             raise ValueError("DecoderConfig.mlp_activations must name at least one activation")
+        _check_choices("mlp_activations", self.mlp_activations, _ACTIVATIONS)
+        _check_choices("dtype", (self.dtype,), _DTYPES)
+        _check_choices("position_embedding", (self.position_embedding,), _POSITIONS)
+        _check_choices("remat_policy", (self.remat_policy,), _REMAT)
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"DecoderConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim must be even for rope, got {self.head_dim}")
+        if self.rope_max_wavelength <= 0:
+            raise ValueError("DecoderConfig.rope_max_wavelength must be positive, "
+                             f"got {self.rope_max_wavelength}")
+        if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
+            raise ValueError("DecoderConfig.relative_attention_max_distance must exceed half of "
+                             f"relative_attention_num_buckets ({self.relative_attention_num_buckets})"
+                             f", got {self.relative_attention_max_distance}")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
         return _DTYPES[self.dtype]
 
 
-def _check_choice(field: str, values: Sequence[str], allowed) -> None:
+def _check_choices(field: str, values: tuple[str, ...], allowed) -> None:
     for value in values:
         if value not in allowed:
-            raise ValueError(f"DecoderConfig.{field}: '{value}' is not one of {sorted(allowed)}")
+            raise ValueError(f"DecoderConfig.{field}: {value!r} is not one of {sorted(allowed)}")
+
+
+class Dense(nn.Module):
+    """A bias-free projection whose float32 kernel carries logical axes (T5X's DenseGeneral)."""
+
+    features: int
+    axes: tuple[str, str]
+    dtype: jnp.dtype
+    init_scale: float = 1.0
+    distribution: str = "truncated_normal"
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        init = nn.initializers.variance_scaling(self.init_scale, "fan_in", self.distribution)
+        kernel = param_with_axes("kernel", init, (x.shape[-1], self.features), jnp.float32,
+                                 axes=self.axes)
+        return jnp.einsum("...d,df->...f", x.astype(self.dtype), kernel.astype(self.dtype))
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale (T5's LayerNorm)."""
+    """Root-mean-square norm with a learned scale and no bias (T5's LayerNorm)."""
 
+    dtype: jnp.dtype
     epsilon: float = 1e-6
-    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
         x = x_BxLxD.astype(jnp.float32)
-        var_BxLx1 = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
         scale_D = param_with_axes("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32,
                                   axes=("embed",))
-        return (x * jax.lax.rsqrt(var_BxLx1 + self.epsilon) * scale_D).astype(self.dtype)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+        return (x * scale_D).astype(self.dtype)
 
 
-def _dense(module: nn.Module, name: str, x: jnp.ndarray, shape: tuple[int, int],
-           axes: tuple[str, str], dtype: jnp.dtype, scale: float = 1.0) -> jnp.ndarray:
-    init = nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
-    kernel = param_with_axes(name, init, shape, jnp.float32, axes=axes, module=module)
-    return jnp.einsum("...d,df->...f", x.astype(dtype), kernel.astype(dtype))
+class Embed(nn.Module):
+    """Token embedding table; `attend` gives logits against it (tied embeddings)."""
+
+    vocab_size: int
+    emb_dim: int
+
+    def setup(self) -> None:
+        self.embedding = param_with_axes("embedding", nn.initializers.normal(1.0),
+                                         (self.vocab_size, self.emb_dim), jnp.float32,
+                                         axes=("vocab", "embed"))
+
+    def __call__(self, tokens_BxL: jnp.ndarray) -> jnp.ndarray:
+        return jnp.take(self.embedding, tokens_BxL.astype(jnp.int32), axis=0)
+
+    def attend(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
+        return jnp.einsum("bld,vd->blv", x_BxLxD.astype(jnp.float32), self.embedding)
 
 
-def relative_position_buckets(relative_SxS: jnp.ndarray, num_buckets: int, max_distance: int
-                              ) -> jnp.ndarray:
-    """T5's causal bucketing of (key - query) positions: exact when near, log-spaced when far."""
-    distance = jnp.maximum(-relative_SxS, 0)  # causal: only the past carries information
+def relative_position_buckets(relative_BxLxS: jnp.ndarray, num_buckets: int,
+                              max_distance: int) -> jnp.ndarray:
+    """T5's causal bucketing of (key - query) positions: exact when near, log-spaced when far.
+
+    Keys after the query (reachable only inside a prefix-LM prefix) share bucket 0 with the
+    query itself, as in T5X's decoder, which always buckets unidirectionally.
+    """
+    distance = jnp.maximum(-relative_BxLxS, 0)
     exact = num_buckets // 2
-    is_small = distance < exact
     log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact)
-    large = exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32)
-    large = jnp.minimum(large, num_buckets - 1)
-    return jnp.where(is_small, distance, large)
+    far = jnp.minimum(exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32), num_buckets - 1)
+    return jnp.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """Per-head attention bias looked up from bucketed relative positions."""
+
+    num_heads: int
+    num_buckets: int
+    max_distance: int
+
+    @nn.compact
+    def __call__(self, positions_BxL: jnp.ndarray) -> jnp.ndarray:
+        table_HxN = param_with_axes(
+            "rel_embedding", nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
+            (self.num_heads, self.num_buckets), jnp.float32, axes=("heads", "relpos_buckets"))
+        relative_BxLxS = positions_BxL[:, None, :] - positions_BxL[:, :, None]
+        buckets_BxLxS = relative_position_buckets(relative_BxLxS, self.num_buckets,
+                                                  self.max_distance)
+        return jnp.moveaxis(table_HxN[:, buckets_BxLxS], 0, 1)  # [B, H, L, S]
 
 
 def rotate(x_BxLxHxK: jnp.ndarray, positions_BxL: jnp.ndarray, max_wavelength: float) -> jnp.ndarray:
-    """Rotary position embedding of queries or keys (half-split pairing)."""
+    """Rotary position embedding of queries or keys (first half paired with second half)."""
     half = x_BxLxHxK.shape[-1] // 2
-    freq_K2 = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BxLx1xK2 = positions_BxL[:, :, None, None].astype(jnp.float32) * freq_K2
+    inv_freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BxLx1xK2 = positions_BxL[:, :, None, None].astype(jnp.float32) * inv_freq
     sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
-    x = x_BxLxHxK.astype(jnp.float32)
-    x1, x2 = x[..., :half], x[..., half:]
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
 
@@ -128,76 +185,85 @@ class Attention(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_1xHxLxS, positions_BxL, enable_dropout):
+    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
         c = self.config
-        dtype = c.compute_dtype
-        hk = c.num_heads * c.head_dim
-        # T5 folds 1/sqrt(head_dim) into the query initialisation instead of the logits.
-        q = _dense(self, "query", x_BxLxD, (c.emb_dim, hk), ("embed", "joined_kv"), dtype,
-                   scale=1.0 / c.head_dim)
-        k = _dense(self, "key", x_BxLxD, (c.emb_dim, hk), ("embed", "joined_kv"), dtype)
-        v = _dense(self, "value", x_BxLxD, (c.emb_dim, hk), ("embed", "joined_kv"), dtype)
-        split = lambda t: t.reshape(t.shape[:2] + (c.num_heads, c.head_dim))  # noqa: E731
-        q_BxLxHxK, k_BxSxHxK, v_BxSxHxK = split(q), split(k), split(v)
+        dtype, hk = c.compute_dtype, c.num_heads * c.head_dim
+        proj = lambda name, scale=1.0: Dense(hk, ("embed", "joined_kv"), dtype,  # noqa: E731
+                                             init_scale=scale, distribution="normal", name=name)
+        heads = lambda t: constrain(t.reshape(t.shape[:2] + (c.num_heads, c.head_dim)),  # noqa: E731
+                                    ("batch", "length", "heads", "kv"))
+        # T5 scales logits by 1/sqrt(head_dim) through the query's initialisation instead.
+        q_BxLxHxK = heads(proj("query", 1.0 / c.head_dim)(x_BxLxD))
+        k_BxSxHxK = heads(proj("key")(x_BxLxD))
+        v_BxSxHxK = heads(proj("value")(x_BxLxD))
         if c.position_embedding == "rope":
             q_BxLxHxK = rotate(q_BxLxHxK, positions_BxL, c.rope_max_wavelength)
             k_BxSxHxK = rotate(k_BxSxHxK, positions_BxL, c.rope_max_wavelength)
-        logits_BxHxLxS = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK).astype(jnp.float32)
-        if bias_1xHxLxS is not None:
-            logits_BxHxLxS = logits_BxHxLxS + bias_1xHxLxS
-        logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
-        probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(dtype)
-        probs_BxHxLxS = nn.Dropout(c.dropout_rate)(probs_BxHxLxS, deterministic=not enable_dropout)
+        scores_BxHxLxS = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK,
+                                    preferred_element_type=jnp.float32)
+        if bias_BxHxLxS is not None:
+            scores_BxHxLxS = scores_BxHxLxS + bias_BxHxLxS
+        scores_BxHxLxS = jnp.where(mask_Bx1xLxS, scores_BxHxLxS, jnp.finfo(jnp.float32).min)
+        probs_BxHxLxS = jax.nn.softmax(scores_BxHxLxS, axis=-1).astype(dtype)
+        probs_BxHxLxS = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(
+            probs_BxHxLxS, deterministic=not enable_dropout)
         out_BxLxHxK = jnp.einsum("bhls,bshk->blhk", probs_BxHxLxS, v_BxSxHxK)
         out_BxLxHK = out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (hk,))
-        return _dense(self, "out", out_BxLxHK, (hk, c.emb_dim), ("joined_kv", "embed"), dtype)
+        return Dense(c.emb_dim, ("joined_kv", "embed"), dtype, distribution="normal",
+                     name="out")(out_BxLxHK)
 
 
 class Mlp(nn.Module):
+    """Gated MLP: the product of one projection per activation, then `wo` (T5's names)."""
+
     config: DecoderConfig
 
     @nn.compact
     def __call__(self, x_BxLxD, enable_dropout):
         c = self.config
-        dtype = c.compute_dtype
         h_BxLxF = None
         for i, act in enumerate(c.mlp_activations):
             name = "wi" if len(c.mlp_activations) == 1 else f"wi_{i}"
-            branch = _ACTIVATIONS[act](_dense(self, name, x_BxLxD, (c.emb_dim, c.mlp_dim),
-                                              ("embed", "mlp"), dtype))
+            branch = _ACTIVATIONS[act](Dense(c.mlp_dim, ("embed", "mlp"), c.compute_dtype,
+                                             name=name)(x_BxLxD))
             h_BxLxF = branch if h_BxLxF is None else h_BxLxF * branch
+        h_BxLxF = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(
+            h_BxLxF, deterministic=not enable_dropout)
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
-        h_BxLxF = nn.Dropout(c.dropout_rate)(h_BxLxF, deterministic=not enable_dropout)
-        return _dense(self, "wo", h_BxLxF, (c.mlp_dim, c.emb_dim), ("mlp", "embed"), dtype)
+        return Dense(c.emb_dim, ("mlp", "embed"), c.compute_dtype, name="wo")(h_BxLxF)
 
 
 class DecoderLayer(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_1xHxLxS, positions_BxL, enable_dropout):
+    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
         c = self.config
-        drop = nn.Dropout(c.dropout_rate)
-        h = RMSNorm(dtype=c.compute_dtype, name="pre_self_attention_layer_norm")(x_BxLxD)
-        h = Attention(c, name="self_attention")(h, mask_Bx1xLxS, bias_1xHxLxS, positions_BxL,
+        drop = lambda h, name: nn.Dropout(c.dropout_rate, broadcast_dims=(-2,), name=name)(  # noqa: E731
+            h, deterministic=not enable_dropout)
+        h = RMSNorm(c.compute_dtype, name="pre_self_attention_layer_norm")(x_BxLxD)
+        h = Attention(c, name="self_attention")(h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
                                                 enable_dropout)
-        x_BxLxD = x_BxLxD + drop(h, deterministic=not enable_dropout)
-        h = RMSNorm(dtype=c.compute_dtype, name="pre_mlp_layer_norm")(x_BxLxD)
+        x_BxLxD = x_BxLxD + drop(h, "post_self_attention_dropout")
+        h = RMSNorm(c.compute_dtype, name="pre_mlp_layer_norm")(x_BxLxD)
         h = Mlp(c, name="mlp")(h, enable_dropout)
-        x_BxLxD = x_BxLxD + drop(h, deterministic=not enable_dropout)
+        x_BxLxD = x_BxLxD + drop(h, "post_mlp_dropout")
         return constrain(x_BxLxD, ("batch", "length", "embed"))
 
 
-def attention_mask(segments_BxL, causal_attention_BxL) -> jnp.ndarray:
-    """[B, 1, L, S] booleans: causal (or bidirectional inside the prefix), same segment only."""
-    length = segments_BxL.shape[1]
-    causal_LxS = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-    mask_BxLxS = jnp.broadcast_to(causal_LxS, segments_BxL.shape + (length,))
+def decoder_mask(target_tokens_BxL, segments_BxL=None, causal_attention_BxL=None) -> jnp.ndarray:
+    """[B, 1, L, S] booleans, as T5X's make_decoder_mask: causal, or bidirectional between
+    prefix positions; non-padding (target > 0) only; same segment only when packed."""
+    length = target_tokens_BxL.shape[1]
+    mask_1xLxS = (jnp.arange(length)[:, None] >= jnp.arange(length)[None, :])[None]
     if causal_attention_BxL is not None:
         prefix_BxL = causal_attention_BxL.astype(bool)
-        mask_BxLxS = mask_BxLxS | (prefix_BxL[:, :, None] & prefix_BxL[:, None, :])
-    same_BxLxS = segments_BxL[:, :, None] == segments_BxL[:, None, :]
-    return (mask_BxLxS & same_BxLxS)[:, None]
+        mask_1xLxS = mask_1xLxS | (prefix_BxL[:, :, None] & prefix_BxL[:, None, :])
+    real_BxL = target_tokens_BxL > 0
+    mask_BxLxS = mask_1xLxS & real_BxL[:, :, None] & real_BxL[:, None, :]
+    if segments_BxL is not None:
+        mask_BxLxS = mask_BxLxS & (segments_BxL[:, :, None] == segments_BxL[:, None, :])
+    return mask_BxLxS[:, None]
 
 
 class Decoder(nn.Module):
@@ -209,54 +275,44 @@ class Decoder(nn.Module):
     def __call__(self, decoder_input_tokens, decoder_target_tokens, decoder_segment_ids=None,
                  decoder_positions=None, decoder_causal_attention=None, *, enable_dropout=True,
                  decode=False, max_decode_length=None, prefill=None, prefill_lengths=None):
-        del decoder_target_tokens, max_decode_length, prefill_lengths  # T5X's signature
+        del max_decode_length, prefill_lengths  # decoding only, which is not implemented
         if decode or prefill:
-            raise NotImplementedError("nets.Decoder: autoregressive decoding (decode=True, "
-                                      "prefill) is not implemented yet; use it for training "
-                                      "and scoring")
+            raise NotImplementedError("nets.Decoder: autoregressive decoding (decode=True or "
+                                      "prefill) is not implemented yet: there is no key/value "
+                                      "cache; use the network for training and scoring")
         c = self.config
-        dtype = c.compute_dtype
-        tokens_BxL = decoder_input_tokens
-        batch, length = tokens_BxL.shape
-        segments_BxL = (decoder_segment_ids if decoder_segment_ids is not None
-                        else jnp.ones_like(tokens_BxL))
-        positions_BxL = (decoder_positions if decoder_positions is not None
-                         else jnp.broadcast_to(jnp.arange(length), (batch, length)))
-        mask_Bx1xLxS = attention_mask(segments_BxL, decoder_causal_attention)
-
-        embedding_VxD = param_with_axes("token_embedder", nn.initializers.normal(1.0),
-                                        (c.vocab_size, c.emb_dim), jnp.float32,
-                                        axes=("vocab", "embed"))
-        x_BxLxD = jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(dtype)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
-        x_BxLxD = nn.Dropout(c.dropout_rate)(x_BxLxD, deterministic=not enable_dropout)
-
-        bias_1xHxLxS = None
+        dtype, length = c.compute_dtype, decoder_input_tokens.shape[1]
+        drop = lambda h, name: nn.Dropout(c.dropout_rate, broadcast_dims=(-2,), name=name)(  # noqa: E731
+            h, deterministic=not enable_dropout)
+        # Unpacked rows share one arange, so the relative bias is computed once, not per row.
+        positions_BxL = (jnp.arange(length)[None] if decoder_positions is None
+                         else decoder_positions)
+        mask_Bx1xLxS = decoder_mask(decoder_target_tokens, decoder_segment_ids,
+                                    decoder_causal_attention)
+        bias_BxHxLxS = None
         if c.position_embedding == "relative":
-            # One bias table shared by all layers, as in T5; packing-safe since the
-            # buckets come from each token's position within its own segment.
-            table_HxN = param_with_axes(
-                "relpos_bias", nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
-                (c.num_heads, c.relative_attention_num_buckets), jnp.float32,
-                axes=("heads", "relpos_buckets"))
-            relative_BxLxS = positions_BxL[:, None, :] - positions_BxL[:, :, None]
-            buckets_BxLxS = relative_position_buckets(
-                relative_BxLxS, c.relative_attention_num_buckets, c.relative_attention_max_distance)
-            bias_1xHxLxS = jnp.moveaxis(table_HxN[:, buckets_BxLxS], 0, 1)  # [B, H, L, S]
+            bias_BxHxLxS = RelativePositionBias(
+                c.num_heads, c.relative_attention_num_buckets, c.relative_attention_max_distance,
+                name="relpos_bias")(positions_BxL)
 
+        embedder = Embed(c.vocab_size, c.emb_dim, name="token_embedder")
+        x_BxLxD = constrain(embedder(decoder_input_tokens).astype(dtype),
+                            ("batch", "length", "embed"))
+        x_BxLxD = drop(x_BxLxD, "input_dropout")
         layer_cls = DecoderLayer
         if _REMAT[c.remat_policy] is not None:
+            # Argument 0 is the module itself, so 5 is `enable_dropout`, a Python bool.
             layer_cls = nn.remat(DecoderLayer, policy=_REMAT[c.remat_policy], prevent_cse=True,
                                  static_argnums=(5,))
         for i in range(c.num_layers):
-            x_BxLxD = layer_cls(c, name=f"layers_{i}")(x_BxLxD, mask_Bx1xLxS, bias_1xHxLxS,
+            x_BxLxD = layer_cls(c, name=f"layers_{i}")(x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS,
                                                        positions_BxL, enable_dropout)
-        x_BxLxD = RMSNorm(dtype=dtype, name="decoder_norm")(x_BxLxD)
-        x_BxLxD = nn.Dropout(c.dropout_rate)(x_BxLxD, deterministic=not enable_dropout)
+        x_BxLxD = drop(RMSNorm(dtype, name="decoder_norm")(x_BxLxD), "output_dropout")
+
+        # Logits in float32 for a stable softmax, as T5X's decoder-only network does.
         if c.logits_via_embedding:
-            logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, embedding_VxD.astype(dtype))
-            logits_BxLxV = logits_BxLxV / jnp.sqrt(c.emb_dim)
+            logits_BxLxV = embedder.attend(x_BxLxD) / jnp.sqrt(c.emb_dim)
         else:
-            logits_BxLxV = _dense(self, "logits_dense", x_BxLxD, (c.emb_dim, c.vocab_size),
-                                  ("embed", "vocab"), dtype)
-        return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+            logits_BxLxV = Dense(c.vocab_size, ("embed", "vocab"), jnp.float32,
+                                 name="logits_dense")(x_BxLxD)
+        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
