@@ -24,12 +24,17 @@ def register_resolvers() -> None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _app(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> dict | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from capibara_exp import experiment  # heavy imports start here
 
     try:
-        experiment.run(cfg)
+        return experiment.run(cfg)
     except ConfigError as err:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the sweeper records the job as failed and goes on
         print(f"capibara-exp: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
 

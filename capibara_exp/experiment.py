@@ -58,8 +58,8 @@ def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]) ->
     return path
 
 
-def run(cfg: DictConfig) -> None:
-    """The task function behind `capibara-exp`."""
+def run(cfg: DictConfig) -> dict | None:
+    """The task function behind `capibara-exp`: the final train_eval metrics (local engine)."""
     from hydra.core.hydra_config import HydraConfig
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines (seqio)
@@ -69,16 +69,31 @@ def run(cfg: DictConfig) -> None:
     path = write_gin(cfg, run_dir, dict(hc.runtime.choices))
     print(f"capibara-exp: run dir {run_dir}", file=sys.stderr)
     engine = cfg.engine.name
+    metrics = None
     if engine == "local":
         from capibara_exp.runtime import gin_utils
+        from capibara_exp.runtime.metrics import last_metrics
 
-        gin_utils.run_train(path)
+        gin_utils.run_train(path, actions=_sweep_actions(cfg))
         _copy_operative_config(Path(cfg.model_dir), run_dir)
+        metrics = last_metrics(Path(cfg.model_dir), "train_eval")
     elif engine == "t5x":
         run_t5x(cfg, path)
     else:
         raise ConfigError(f"engine.name: unknown engine '{engine}'")
     print(f"capibara-exp: done; run dir {run_dir}", file=sys.stderr)
+    return metrics
+
+
+def _sweep_actions(cfg: DictConfig) -> dict | None:
+    """The pruning action of a sweep trial (T5X's actions mapping), if this run is one."""
+    trial = cfg.get("sweep_trial")
+    if not trial:
+        return None
+    from capibara_exp.sweeping.pruning import OptunaPruning
+
+    return {"TRAIN_EVAL": [OptunaPruning(trial.storage, trial.study_name, int(trial.number),
+                                         trial.metric, trial.pruner)]}
 
 
 def _copy_operative_config(model_dir: Path, run_dir: Path) -> None:

@@ -1,6 +1,8 @@
-"""The decoder network: shapes, causality, packing, prefix-LM, logical axes, remat."""
+"""The decoder network: shapes, causality, packing, prefix-LM, logical axes, remat, config."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,34 +13,55 @@ from flax.linen import partitioning as nn_partitioning
 from capibara_exp.nets import Decoder, DecoderConfig
 
 SIZES = dict(vocab_size=64, emb_dim=32, num_heads=2, head_dim=16, num_layers=2, mlp_dim=48)
+POSITION_EMBEDDINGS = ["relative", "rope"]
 
 
+# Every forward pass uses one [2, 12] shape and runs eagerly: jax caches each compiled op by
+# shape, so the tests share compilations instead of compiling a whole graph per test.
+SHAPE = (2, 12)
+
+
+@functools.cache
 def make(position_embedding: str = "relative", **kw) -> tuple[Decoder, dict]:
     net = Decoder(DecoderConfig(**SIZES, position_embedding=position_embedding, **kw))
-    tokens = jnp.ones((2, 12), jnp.int32)
-    variables = net.init({"params": jax.random.PRNGKey(0)}, tokens, tokens, enable_dropout=False)
-    return net, variables
+    tokens = jnp.ones(SHAPE, jnp.int32)
+    return net, net.init({"params": jax.random.PRNGKey(0)}, tokens, tokens, enable_dropout=False)
 
 
-def logits(net, variables, tokens, **features):
-    return net.apply({"params": variables["params"]}, tokens, tokens, enable_dropout=False,
-                     **features)
+def logits(net: Decoder, variables: dict, tokens: jnp.ndarray, **features) -> np.ndarray:
+    """Teacher-forced logits, with the inputs doubling as targets (zeros are padding)."""
+    return np.asarray(net.apply({"params": variables["params"]}, tokens, tokens,
+                                enable_dropout=False, **features))
 
 
-def tokens_of(seed: int, shape=(2, 12)) -> jnp.ndarray:
+def tokens_of(seed: int, shape=SHAPE) -> jnp.ndarray:
     return jax.random.randint(jax.random.PRNGKey(seed), shape, 1, SIZES["vocab_size"])
 
 
-@pytest.mark.parametrize("position_embedding", ["relative", "rope"])
+def flat_axes(variables: dict) -> dict:
+    specs = nn_partitioning.get_axis_names(variables["params_axes"])
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    return {jax.tree_util.keystr(p): tuple(s)
+            for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
+
+
+@pytest.mark.parametrize("position_embedding", POSITION_EMBEDDINGS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_shape_and_dtype(position_embedding: str, dtype: str) -> None:
     net, variables = make(position_embedding, dtype=dtype)
     out = logits(net, variables, tokens_of(0))
-    assert out.shape == (2, 12, SIZES["vocab_size"]) and out.dtype == jnp.float32
-    assert jax.tree.leaves(jax.tree.map(lambda p: p.dtype == jnp.float32, variables["params"]))
+    assert out.shape == (2, 12, SIZES["vocab_size"]) and out.dtype == np.float32
+    assert np.isfinite(out).all()
+    assert {p.dtype for p in jax.tree.leaves(variables["params"])} == {jnp.dtype(jnp.float32)}
 
 
-@pytest.mark.parametrize("position_embedding", ["relative", "rope"])
+def test_tied_embeddings_have_no_output_projection() -> None:
+    net, variables = make(logits_via_embedding=True)
+    assert "logits_dense" not in variables["params"]
+    assert logits(net, variables, tokens_of(0)).shape == (2, 12, SIZES["vocab_size"])
+
+
+@pytest.mark.parametrize("position_embedding", POSITION_EMBEDDINGS)
 def test_future_tokens_do_not_change_past_logits(position_embedding: str) -> None:
     net, variables = make(position_embedding)
     a = tokens_of(1)
@@ -48,56 +71,79 @@ def test_future_tokens_do_not_change_past_logits(position_embedding: str) -> Non
     assert not np.allclose(la[:, 7:], lb[:, 7:])
 
 
-@pytest.mark.parametrize("position_embedding", ["relative", "rope"])
+@pytest.mark.parametrize("position_embedding", POSITION_EMBEDDINGS)
 def test_packed_row_equals_each_sequence_alone(position_embedding: str) -> None:
     net, variables = make(position_embedding)
-    first, second = tokens_of(3, (1, 5)), tokens_of(4, (1, 7))
-    packed = jnp.concatenate([first, second], axis=1)
-    segments = jnp.array([[1] * 5 + [2] * 7])
-    positions = jnp.array([list(range(5)) + list(range(7))])
+    tokens = tokens_of(3)
+    first, second = tokens[0, :5], tokens[1, :6]
+    pad = lambda *parts: jnp.concatenate([*parts, jnp.zeros(12 - sum(map(len, parts)), jnp.int32)])  # noqa: E731
+    # Each alone, unpacked and zero-padded; then packed both ways round, with one pad token.
+    alone = logits(net, variables, jnp.stack([pad(first), pad(second)]))
+    packed = jnp.stack([pad(first, second), pad(second, first)])
+    segments = jnp.array([[1] * 5 + [2] * 6 + [0], [1] * 6 + [2] * 5 + [0]])
+    positions = jnp.array([[*range(5), *range(6), 0], [*range(6), *range(5), 0]])
     out = logits(net, variables, packed, decoder_segment_ids=segments, decoder_positions=positions)
-    np.testing.assert_allclose(out[:, :5], logits(net, variables, first), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], logits(net, variables, second), atol=1e-5, rtol=1e-5)
+    close = functools.partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5)
+    close(out[0, :5], alone[0, :5])
+    close(out[0, 5:11], alone[1, :6])
+    close(out[1, :6], alone[1, :6])
+    close(out[1, 6:11], alone[0, :5])
 
 
-def test_prefix_attends_bidirectionally_and_the_rest_causally() -> None:
-    net, variables = make()
+@pytest.mark.parametrize("position_embedding", POSITION_EMBEDDINGS)
+def test_prefix_attends_bidirectionally_and_the_rest_causally(position_embedding: str) -> None:
+    net, variables = make(position_embedding)
     a = tokens_of(5)
     prefix = jnp.array([[1] * 4 + [0] * 8] * 2)
-    changed_prefix = a.at[:, 3].set((a[:, 3] % 60) + 2)
-    changed_suffix = a.at[:, 9].set((a[:, 9] % 60) + 2)
-    base = logits(net, variables, a, decoder_causal_attention=prefix)
-    after_prefix = logits(net, variables, changed_prefix, decoder_causal_attention=prefix)
-    after_suffix = logits(net, variables, changed_suffix, decoder_causal_attention=prefix)
-    assert not np.allclose(base[:, 0], after_prefix[:, 0])  # token 0 sees prefix token 3
-    np.testing.assert_array_equal(base[:, :9], after_suffix[:, :9])
+    changed_prefix = a.at[:, 3].set(a[:, 3] % 60 + 2)
+    changed_suffix = a.at[:, 9].set(a[:, 9] % 60 + 2)
+    run = lambda t: logits(net, variables, t, decoder_causal_attention=prefix)  # noqa: E731
+    base = run(a)
+    assert not np.allclose(base[:, 0], run(changed_prefix)[:, 0])  # token 0 sees prefix token 3
+    np.testing.assert_array_equal(base[:, :9], run(changed_suffix)[:, :9])
+    # Without the prefix flag the same change is invisible to token 0: the test is not vacuous.
+    np.testing.assert_array_equal(logits(net, variables, a)[:, 0],
+                                  logits(net, variables, changed_prefix)[:, 0])
 
 
-def test_every_param_has_logical_axes_of_its_rank() -> None:
-    _, variables = make()
-    axes = nn_partitioning.get_axis_names(variables["params_axes"])
-    params, specs = variables["params"], axes
-    flat_p = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat_a = dict(jax.tree_util.tree_flatten_with_path(
-        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
-    assert len(flat_p) == len(flat_a)
-    for path, leaf in flat_p:
-        assert len(flat_a[path]) == leaf.ndim, path
-    embed_path = next(p for p, _ in flat_p if "token_embedder" in str(p))
-    assert tuple(flat_a[embed_path]) == ("vocab", "embed")
+@pytest.mark.parametrize("remat_policy", ["none", "full"])
+def test_every_param_has_logical_axes_of_its_rank(remat_policy: str) -> None:
+    net = Decoder(DecoderConfig(**SIZES, remat_policy=remat_policy))
+    tokens = jnp.ones(SHAPE, jnp.int32)
+    variables = jax.eval_shape(functools.partial(net.init, enable_dropout=False),  # no compile
+                               jax.random.PRNGKey(0), tokens, tokens)
+    axes = flat_axes(variables)
+    params = {jax.tree_util.keystr(p): x
+              for p, x in jax.tree_util.tree_flatten_with_path(variables["params"])[0]}
+    assert axes.keys() == params.keys()
+    for path, leaf in params.items():
+        assert len(axes[path]) == leaf.ndim, path
+    # T5X's decoder-only names and axes, so its partitioning rules and tooling apply.
+    assert axes["['token_embedder']['embedding']"] == ("vocab", "embed")
+    assert axes["['relpos_bias']['rel_embedding']"] == ("heads", "relpos_buckets")
+    assert axes["['layers_1']['self_attention']['query']['kernel']"] == ("embed", "joined_kv")
+    assert axes["['layers_1']['self_attention']['out']['kernel']"] == ("joined_kv", "embed")
+    assert axes["['layers_0']['mlp']['wi_0']['kernel']"] == ("embed", "mlp")
+    assert axes["['layers_0']['mlp']['wo']['kernel']"] == ("mlp", "embed")
+    assert axes["['layers_0']['pre_mlp_layer_norm']['scale']"] == ("embed",)
+    assert axes["['logits_dense']['kernel']"] == ("embed", "vocab")
+    assert len(params) == 1 + 1 + 2 * 9 + 1 + 1
+
+
+@functools.cache
+def loss_and_grads(remat_policy: str) -> tuple[jnp.ndarray, dict]:
+    net = Decoder(DecoderConfig(**SIZES, remat_policy=remat_policy))
+    _, variables = make()  # one set of parameters for every policy
+    tokens = tokens_of(6)
+    loss = lambda p: jnp.mean(  # noqa: E731
+        net.apply({"params": p}, tokens, tokens, enable_dropout=False) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(variables["params"])  # eager backward is slower
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_matches_no_remat_in_value_and_gradient(policy: str) -> None:
-    base, variables = make()
-    remat, _ = make(remat_policy=policy)
-    tokens = tokens_of(6)
-
-    def loss(net, params):
-        return jnp.mean(net.apply({"params": params}, tokens, tokens, enable_dropout=False) ** 2)
-
-    v0, g0 = jax.value_and_grad(lambda p: loss(base, p))(variables["params"])
-    v1, g1 = jax.value_and_grad(lambda p: loss(remat, p))(variables["params"])
+    v0, g0 = loss_and_grads("none")
+    v1, g1 = loss_and_grads(policy)
     np.testing.assert_allclose(v0, v1, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
 
@@ -105,10 +151,13 @@ def test_remat_matches_no_remat_in_value_and_gradient(policy: str) -> None:
 def test_dropout_changes_outputs_only_when_enabled() -> None:
     net, variables = make(dropout_rate=0.5)
     tokens = tokens_of(7)
-    run = lambda on, seed: net.apply({"params": variables["params"]}, tokens, tokens,  # noqa: E731
-                                     enable_dropout=on, rngs={"dropout": jax.random.PRNGKey(seed)})
-    np.testing.assert_array_equal(run(False, 0), run(False, 1))
-    assert not np.allclose(run(True, 0), run(True, 1))
+    train = jax.jit(lambda seed: net.apply({"params": variables["params"]}, tokens, tokens,
+                                           rngs={"dropout": jax.random.PRNGKey(seed)}))
+    assert not np.allclose(train(0), train(1))
+    eval_ = lambda seed: net.apply({"params": variables["params"]}, tokens, tokens,  # noqa: E731
+                                   enable_dropout=False, rngs={"dropout": jax.random.PRNGKey(seed)})
+    np.testing.assert_array_equal(eval_(0), eval_(1))
+    np.testing.assert_array_equal(eval_(0), logits(*make(), tokens))  # same params, no dropout
 
 
 def test_decode_is_a_clear_error() -> None:
@@ -117,9 +166,16 @@ def test_decode_is_a_clear_error() -> None:
         net.apply({"params": variables["params"]}, tokens_of(0), tokens_of(0), decode=True)
 
 
-@pytest.mark.parametrize("field, value", [("position_embedding", "alibi"), ("dtype", "float16"),
-                                          ("remat_policy", "some"), ("mlp_activations", ["tanh"]),
-                                          ("emb_dim", 0)])
+def test_config_accepts_lists_from_gin_and_yaml() -> None:
+    config = DecoderConfig(**SIZES, mlp_activations=["gelu", "linear"])
+    assert config.mlp_activations == ("gelu", "linear")
+    hash(config)  # Flax module attributes must be hashable
+
+
+@pytest.mark.parametrize("field, value", [
+    ("position_embedding", "alibi"), ("dtype", "float16"), ("remat_policy", "some"),
+    ("mlp_activations", ["tanh"]), ("emb_dim", 0), ("dropout_rate", 1.0),
+    ("relative_attention_max_distance", 8)])
 def test_config_errors_name_the_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=f"DecoderConfig.{field}"):
         DecoderConfig(**{**SIZES, field: value})

@@ -54,9 +54,18 @@ def parse(path: str | Path, gin_text: str | None = None) -> None:
         raise ConfigError(f"{where}: {type(err).__name__}: {message}") from err
 
 
-def run_train(path: str | Path) -> Any:
-    """Parse config.gin and call the bound train_script.train."""
+def run_train(path: str | Path, actions: dict | None = None) -> Any:
+    """Parse config.gin and call the bound train_script.train (plus extra actions by mode)."""
     from capibara_exp.runtime import train_script
 
     parse(path)
-    return gin.get_configurable(train_script.train)()
+    train = gin.get_configurable(train_script.train)
+    if not actions:
+        return train()
+    try:
+        gin.query_parameter("train_script.train.actions")
+    except ValueError:  # not bound in config.gin: the extra actions are all there is
+        return train(actions=actions)
+    raise ConfigError(f"{path}: train_script.train.actions is bound in the gin config and this "
+                      "run adds actions of its own (a sweep trial's pruning); the local engine "
+                      "cannot combine the two yet")

@@ -26,6 +26,21 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:
+    """The last record of a split in model_dir/metrics.jsonl, without step/split/time."""
+    path = Path(model_dir) / "metrics.jsonl"
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") == split:
+            last = record
+    if last is None:
+        return None
+    return {k: v for k, v in last.items() if k not in ("step", "split", "time")} | {"step": last["step"]}
+
+
 class MetricsWriter:
     """One writer per run: JSON lines plus a TensorBoard directory per split."""
 

@@ -1,0 +1,1 @@
+"""Optuna sweeps under Hydra multirun (the capibara_optuna sweeper's implementation)."""

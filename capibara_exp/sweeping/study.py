@@ -1,0 +1,258 @@
+"""An Optuna study driven by Hydra jobs: ask, launch one job, tell; resumable from storage.
+
+Every worker (this process, and any other pointed at the same storage) pulls trials until
+the study holds `n_trials` finished or running ones, so re-running the same command
+continues a study, and trials are never rerun. A trial left RUNNING by a process of this
+host that no longer exists is marked FAIL before new trials start.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from optuna.trial import TrialState
+
+from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.sweeping import space as space_lib
+
+PRUNED_AT = "pruned_at_step"
+ERROR = "error"
+RESULTS = "optimization_results.yaml"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass
+class SweepSettings:
+    """hydra.sweeper.* of conf/hydra/sweeper/capibara_optuna.yaml."""
+
+    study_name: str
+    storage: str | None = None
+    direction: str | list[str] = "minimize"
+    metric: str | list[str] = "loss"
+    sampler: str = "tpe"
+    seed: int | None = None
+    n_trials: int = 8
+    max_failure_rate: float = 0.0
+    pruner: str = "none"
+    params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def directions(self) -> list[str]:
+        return [self.direction] if isinstance(self.direction, str) else list(self.direction)
+
+    @property
+    def metrics(self) -> list[str]:
+        return [self.metric] if isinstance(self.metric, str) else list(self.metric)
+
+    def __post_init__(self) -> None:
+        if len(self.directions) != len(self.metrics):
+            raise ConfigError(f"hydra.sweeper: {len(self.directions)} direction(s) but "
+                              f"{len(self.metrics)} metric(s); give one direction per metric")
+        if self.n_trials < 1:
+            raise ConfigError(f"hydra.sweeper.n_trials must be >= 1, got {self.n_trials}")
+        if not 0.0 <= self.max_failure_rate <= 1.0:
+            raise ConfigError("hydra.sweeper.max_failure_rate must be in [0, 1], "
+                              f"got {self.max_failure_rate}")
+
+
+def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
+                 multi_objective: bool) -> optuna.samplers.BaseSampler:
+    samplers: dict[str, Callable[[], optuna.samplers.BaseSampler]] = {
+        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True),
+        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+        "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
+        "gp": lambda: optuna.samplers.GPSampler(seed=seed),
+        "grid": lambda: optuna.samplers.GridSampler(space.grid(), seed=seed),
+        "nsgaii": lambda: optuna.samplers.NSGAIISampler(seed=seed),
+    }
+    if name not in samplers:
+        raise ConfigError(f"hydra.sweeper.sampler: '{name}' is not one of {sorted(samplers)}")
+    if multi_objective and name in ("cmaes",):
+        raise ConfigError(f"hydra.sweeper.sampler: '{name}' is single-objective; use nsgaii, tpe "
+                          "or random for several directions")
+    return samplers[name]()
+
+
+def make_pruner(name: str) -> optuna.pruners.BasePruner:
+    pruners: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
+        "none": optuna.pruners.NopPruner,
+        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+        "percentile": lambda: optuna.pruners.PercentilePruner(25.0, n_startup_trials=2),
+        "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+    }
+    if name not in pruners:
+        raise ConfigError(f"hydra.sweeper.pruner: '{name}' is not one of {sorted(pruners)}")
+    return pruners[name]()
+
+
+def storage_url(storage: str | None, sweep_dir: Path) -> str:
+    """The configured storage, or SQLite in the sweep dir."""
+    if storage:
+        return storage
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{(sweep_dir / 'optuna.db').absolute()}"
+
+
+def open_study(settings: SweepSettings, url: str, space: space_lib.SearchSpace) -> optuna.Study:
+    multi = len(settings.directions) > 1
+    storage: Any = url
+    if url.endswith((".log", ".journal")) and "://" not in url:
+        backend = optuna.storages.journal.JournalFileBackend(url)
+        storage = optuna.storages.JournalStorage(backend)
+    return optuna.create_study(
+        study_name=settings.study_name, storage=storage, load_if_exists=True,
+        directions=settings.directions,
+        sampler=make_sampler(settings.sampler, settings.seed, space, multi),
+        pruner=make_pruner(settings.pruner))
+
+
+def fail_orphans(study: optuna.Study) -> list[int]:
+    """Mark FAIL the RUNNING trials of dead processes on this host (a killed sweep)."""
+    host, failed = socket.gethostname(), []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        attrs = trial.user_attrs
+        if attrs.get("host") == host and not _alive(int(attrs.get("pid", -1))):
+            study._storage.set_trial_user_attr(trial._trial_id, ERROR, "its process died")
+            study.tell(trial.number, state=TrialState.FAIL)
+            failed.append(trial.number)
+    return failed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
+    """The objective values from a job's return value (a mapping of final metrics)."""
+    if not isinstance(result, dict):
+        raise ConfigError(f"the job returned {result!r}, not a mapping of metrics")
+    missing = [m for m in metrics if m not in result]
+    if missing:
+        raise ConfigError(f"the job's metrics have no {missing} (it has {sorted(result)})")
+    return [float(result[m]) for m in metrics]
+
+
+Launch = Callable[[list[str], int], Any]  # (overrides, trial number) -> the job's return value
+
+
+def run(settings: SweepSettings, launch: Launch, sweep_dir: Path,
+        arguments: Sequence[str] = ()) -> optuna.Study:
+    """Run trials until the study has n_trials; return the study."""
+    space = space_lib.parse([*(f"{k}={v}" for k, v in settings.params.items()), *arguments])
+    if not space.distributions:
+        raise ConfigError("hydra.sweeper.params and the command line define no search dimension "
+                          "(use choice(...), range(...), interval(...))")
+    url = storage_url(settings.storage, sweep_dir)
+    study = open_study(settings, url, space)
+    fail_orphans(study)
+    pruning = settings.pruner != "none" and len(settings.directions) == 1
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        if len(trials) >= settings.n_trials:
+            break
+        trial = study.ask(space.distributions)
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", os.getpid())
+        overrides = [*space.fixed,
+                     *(space_lib.to_override(k, v) for k, v in trial.params.items())]
+        if pruning:
+            overrides.append(trial_override(url, settings, trial.number))
+        _run_trial(study, trial, launch, overrides, settings.metrics)
+        _check_failure_rate(study, settings.max_failure_rate)
+    write_results(study, settings, sweep_dir)
+    return study
+
+
+def trial_override(url: str, settings: SweepSettings, number: int) -> str:
+    """The `sweep_trial` override through which a job reports to its trial (pruning)."""
+    # The pruner is not kept in the storage: the job rebuilds the same one from its name.
+    return (f"sweep_trial={{storage:'{url}',study_name:'{settings.study_name}',"
+            f"number:{number},metric:{settings.metrics[0]},pruner:{settings.pruner}}}")
+
+
+def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrides: list[str],
+               metrics: Sequence[str]) -> None:
+    try:
+        result = launch(overrides, trial.number)
+        values = values_of(result, metrics)
+    except Exception as err:  # a failing job is a FAIL trial, never the end of the sweep
+        trial.set_user_attr(ERROR, f"{type(err).__name__}: {err}"[:2000])
+        study.tell(trial, state=TrialState.FAIL)
+        return
+    frozen = study._storage.get_trial(trial._trial_id)
+    if PRUNED_AT in frozen.user_attrs:
+        study.tell(trial, state=TrialState.PRUNED)
+    elif not all(math.isfinite(v) for v in values):
+        trial.set_user_attr(ERROR, f"non-finite objective {values}")
+        study.tell(trial, state=TrialState.FAIL)
+    else:
+        study.tell(trial, values)
+
+
+def _check_failure_rate(study: optuna.Study, max_rate: float) -> None:
+    finished = study.get_trials(deepcopy=False, states=FINISHED)
+    failed = [t for t in finished if t.state == TrialState.FAIL]
+    if finished and failed and len(failed) / len(finished) > max_rate:
+        last = failed[-1]
+        raise ConfigError(
+            f"{len(failed)} of {len(finished)} finished trials failed, more than "
+            f"max_failure_rate={max_rate}; sweep stopped. Last failure (trial {last.number}): "
+            f"{last.user_attrs.get(ERROR, 'unknown error')}")
+
+
+def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path) -> dict:
+    """optimization_results.yaml and the best trial's overrides as an experiment file."""
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    counts = {s.name.lower(): len(study.get_trials(deepcopy=False, states=(s,)))
+              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    results: dict[str, Any] = {"name": "capibara_optuna", "study_name": study.study_name,
+                               "directions": settings.directions, "metrics": settings.metrics,
+                               "trials": counts}
+    if complete and len(settings.directions) == 1:
+        best = study.best_trial
+        results.update(best_params=dict(best.params), best_value=best.value,
+                       best_trial=best.number)
+        write_best_experiment(sweep_dir, settings.study_name, best)
+    elif complete:
+        results["pareto_front"] = [{"trial": t.number, "params": dict(t.params),
+                                    "values": list(t.values)} for t in study.best_trials]
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
+    return results
+
+
+def write_best_experiment(sweep_dir: Path, study_name: str, best: optuna.trial.FrozenTrial) -> Path:
+    """`<sweep_dir>/best/experiment/<study>_best.yaml`: the best params over the sweep's config."""
+    name = f"{study_name}_best"
+    path = sweep_dir / "best" / "experiment" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nested: dict[str, Any] = {}
+    for key, value in best.params.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    header = (f"# @package _global_\n"
+              f"# capibara-exp --config-dir {sweep_dir.absolute() / 'best'} experiment={name}\n"
+              f"# Best trial {best.number} of study {study_name}: value {best.value}.\n"
+              "# Apply it together with the overrides the sweep itself ran with.\n")
+    path.write_text(header + yaml.safe_dump(nested, sort_keys=False))
+    return path

@@ -1,0 +1,1 @@
+"""Hydra plugin: the capibara_optuna sweeper (implementation in capibara_exp.sweeping)."""

@@ -1,0 +1,45 @@
+"""Hydra finds sweepers only in the hydra_plugins package: this is the thin shell.
+
+Hydra imports every hydra_plugins module at start-up, so nothing heavy is imported here;
+the work is in capibara_exp.sweeping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
+
+
+class CapibaraOptunaSweeper(Sweeper):
+    """hydra/sweeper=capibara_optuna: an Optuna study whose trials are Hydra jobs."""
+
+    def __init__(self, **settings: Any):
+        self.settings = settings
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config = config
+        self.hydra_context = hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from omegaconf import OmegaConf
+
+        from capibara_exp.sweeping import study as study_lib
+
+        settings = study_lib.SweepSettings(**OmegaConf.to_container(
+            OmegaConf.create(self.settings), resolve=True))
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+
+        def launch(overrides: list[str], number: int) -> Any:
+            self.validate_batch_is_legal([overrides])
+            (job,) = self.launcher.launch([overrides], initial_job_idx=number)
+            return job.return_value  # re-raises the job's exception
+
+        return study_lib.run(settings, launch, sweep_dir, arguments)
