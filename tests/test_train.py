@@ -110,3 +110,12 @@ def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir
     assert step == 1 and checkpoints.steps(tmp_path) == [1]
     splits = [json.loads(line)["split"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "train_eval" in splits
+
+
+def test_periods_follow_t5x_rules() -> None:
+    from capibara_exp.runtime.train_script import _periods_check
+
+    assert _periods_check(100, eval_period=20, save_period=10) == 10
+    assert _periods_check(100, eval_period=None, save_period=None) == 100
+    with pytest.raises(ValueError, match=r"eval_period=3 is not a multiple of 2"):
+        _periods_check(100, eval_period=3, save_period=2)

@@ -127,7 +127,8 @@ def create_learning_rate_scheduler(
     base_learning_rate: float = 0.5,
     warmup_steps: int = 1000,
     decay_factor: float = 0.5,
-    steps_per_cycle: int = 20000,
+    steps_per_decay: int = 20000,
+    steps_per_cycle: int = 100000,
     step_offset: int = 0,
     min_learning_rate: float = 1e-8,
 ) -> Callable[[jnp.ndarray], jnp.ndarray]:
@@ -151,13 +152,13 @@ def create_learning_rate_scheduler(
             elif name == "rsqrt_normalized_decay":
                 ret *= jnp.sqrt(warmup_steps) / jnp.sqrt(jnp.maximum(step, warmup_steps))
             elif name == "decay_every":
-                ret *= decay_factor ** (step // steps_per_cycle)
+                ret *= decay_factor ** (step // steps_per_decay)
             elif name == "cosine_decay":
                 progress = jnp.maximum(0.0, (step - warmup_steps) / float(steps_per_cycle))
                 ret *= jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * (progress % 1.0))))
-            elif name == "linear_decay":
-                progress = jnp.maximum(0.0, (step - warmup_steps) / float(steps_per_cycle))
-                ret *= 1.0 - (progress % 1.0)
+            elif name == "linear_decay":  # warm-up then linear decay, as T5X writes it
+                ret *= base_learning_rate * jnp.minimum(
+                    step / warmup_steps, 1.0 + decay_factor * (warmup_steps - step))
         return jnp.maximum(ret, min_learning_rate).astype(jnp.float32)
 
     return step_fn

@@ -32,13 +32,17 @@ class TrainingDiverged(RuntimeError):
 
 
 def _periods_check(total_steps: int, eval_period: int | None, save_period: int | None) -> int:
-    """Steps between evaluations; the checkpoint period must be a multiple of it (as in T5X)."""
-    epoch = eval_period or total_steps
-    if epoch <= 0:
-        raise ValueError(f"train_script.train.eval_period must be positive, got {eval_period}")
-    if save_period and save_period % epoch:
-        raise ValueError(f"utils.SaveCheckpointConfig.period={save_period} is not a multiple of "
-                         f"train_script.train.eval_period={epoch}")
+    """Steps between host-side work (T5X's epoch): the smallest period; each must divide by it."""
+    periods = {"train_script.train.eval_period": eval_period,
+               "utils.SaveCheckpointConfig.period": save_period}
+    for name, period in periods.items():
+        if period is not None and period < 0:
+            raise ValueError(f"{name} must not be negative, got {period}")
+    epoch = min((p for p in periods.values() if p), default=total_steps)
+    for name, period in periods.items():
+        if period and period % epoch:
+            raise ValueError(f"{name}={period} is not a multiple of {epoch}, the shortest of "
+                             f"{', '.join(f'{n}={p}' for n, p in periods.items() if p)}")
     return epoch
 
 
@@ -154,20 +158,21 @@ def train(
             summarize_config_fn(model_dir, writer, step)
             progress.message(f"compiled and ran step {step}; training to step {total_steps}")
             window.reset()
-        end_of_epoch = step % epoch == 0 or step == total_steps
+        final = step == total_steps
+        end_of_epoch = step % epoch == 0 or final
         if window.steps and (step % stats_period == 0 or end_of_epoch):
             m = window.flush()
             writer.write(step, "train", m)
             progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"])
         if end_of_epoch:
             metrics_by_task = {}
-            if eval_batches:
+            if eval_batches and (final or step % (eval_period or total_steps) == 0):
                 eval_m = summarize(_sum_metrics([trainer.eval_step(state, b) for b in eval_batches]))
                 writer.write(step, "train_eval", eval_m)
                 metrics_by_task[train_eval_dataset_cfg.mixture_or_task_name] = eval_m
                 progress.message(f"step {step}: eval loss {eval_m['loss']:.4f} "
                                  f"accuracy {eval_m['accuracy']:.4f}")
-            if mgr and (step % (save_cfg.period or total_steps) == 0 or step == total_steps):
+            if mgr and (final or step % (save_cfg.period or total_steps) == 0):
                 checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
             for action in (actions or {}).get("TRAIN_EVAL", []):
                 stop = action.run(state, metrics_by_task) or stop
