@@ -8,6 +8,7 @@ host that no longer exists is marked FAIL before new trials start.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -25,6 +26,7 @@ from capibara_exp.sweeping import space as space_lib
 
 PRUNED_AT = "pruned_at_step"
 ERROR = "error"
+ORPHANED = "its process died"
 RESULTS = "optimization_results.yaml"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -40,7 +42,7 @@ class SweepSettings:
     sampler: str = "tpe"
     seed: int | None = None
     n_trials: int = 8
-    max_failure_rate: float = 0.0
+    max_failure_rate: float = 0.5
     pruner: str = "none"
     params: dict[str, str] = field(default_factory=dict)
 
@@ -63,6 +65,21 @@ class SweepSettings:
                               f"got {self.max_failure_rate}")
 
 
+class _AskTellGridSampler(optuna.samplers.GridSampler):
+    """GridSampler for an ask/tell loop: its end-of-grid `study.stop()` only works inside
+    `study.optimize` (and would lose the trial's result); the loop caps trials at the grid."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        del study, trial, state, values
+
+
+def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
+    """Whether every point of the grid has a trial (finished or running)."""
+    grid = space.grid()
+    seen = {tuple(t.params.get(k) for k in grid) for t in study.get_trials(deepcopy=False)}
+    return set(itertools.product(*grid.values())) <= seen
+
+
 def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
                  multi_objective: bool) -> optuna.samplers.BaseSampler:
     samplers: dict[str, Callable[[], optuna.samplers.BaseSampler]] = {
@@ -70,7 +87,7 @@ def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
         "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
         "gp": lambda: optuna.samplers.GPSampler(seed=seed),
-        "grid": lambda: optuna.samplers.GridSampler(space.grid(), seed=seed),
+        "grid": lambda: _AskTellGridSampler(space.grid(), seed=seed),
         "nsgaii": lambda: optuna.samplers.NSGAIISampler(seed=seed),
     }
     if name not in samplers:
@@ -121,7 +138,7 @@ def fail_orphans(study: optuna.Study) -> list[int]:
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         attrs = trial.user_attrs
         if attrs.get("host") == host and not _alive(int(attrs.get("pid", -1))):
-            study._storage.set_trial_user_attr(trial._trial_id, ERROR, "its process died")
+            study._storage.set_trial_user_attr(trial._trial_id, ERROR, ORPHANED)
             study.tell(trial.number, state=TrialState.FAIL)
             failed.append(trial.number)
     return failed
@@ -167,7 +184,9 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path,
         trials = study.get_trials(deepcopy=False)
         if len(trials) >= settings.n_trials:
             break
-        trial = study.ask(space.distributions)
+        if settings.sampler == "grid" and grid_done(study, space):
+            break  # every point once, never twice
+        trial = _ask(study, space)
         trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("pid", os.getpid())
         overrides = [*space.fixed,
@@ -178,6 +197,20 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path,
         _check_failure_rate(study, settings.max_failure_rate)
     write_results(study, settings, sweep_dir)
     return study
+
+
+def _ask(study: optuna.Study, space: space_lib.SearchSpace) -> optuna.Trial:
+    """study.ask, or a clear error when the space conflicts with the study's earlier trials."""
+    try:
+        return study.ask(space.distributions)
+    except ValueError as err:
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if "pid" not in trial.user_attrs and not trial.params:  # the half-made trial
+                study._storage.set_trial_user_attr(trial._trial_id, ERROR, str(err))
+                study.tell(trial.number, state=TrialState.FAIL)
+        raise ConfigError(f"the search space does not fit study '{study.study_name}': {err} "
+                          "(a choice's values cannot change within a study; use a new "
+                          "hydra.sweeper.study_name)") from err
 
 
 def trial_override(url: str, settings: SweepSettings, number: int) -> str:
@@ -207,7 +240,9 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrid
 
 
 def _check_failure_rate(study: optuna.Study, max_rate: float) -> None:
-    finished = study.get_trials(deepcopy=False, states=FINISHED)
+    # A trial whose sweep was killed under it did not fail on its own: it does not count.
+    finished = [t for t in study.get_trials(deepcopy=False, states=FINISHED)
+                if t.user_attrs.get(ERROR) != ORPHANED]
     failed = [t for t in finished if t.state == TrialState.FAIL]
     if finished and failed and len(failed) / len(finished) > max_rate:
         last = failed[-1]
