@@ -21,17 +21,37 @@ POSITION_EMBEDDINGS = ["relative", "rope"]
 SHAPE = (2, 12)
 
 
+def init_shapes(net: Decoder) -> dict:
+    """The variables `net.init` would make, as shapes and dtypes, without compiling."""
+    tokens = jnp.ones(SHAPE, jnp.int32)
+    init = functools.partial(net.init, enable_dropout=False)
+    return jax.eval_shape(init, jax.random.PRNGKey(0), tokens, tokens)
+
+
+@functools.cache
+def base_params() -> dict:
+    net = Decoder(DecoderConfig(**SIZES))
+    tokens = jnp.ones(SHAPE, jnp.int32)
+    init = jax.jit(functools.partial(net.init, enable_dropout=False))
+    return init(jax.random.PRNGKey(0), tokens, tokens)["params"]
+
+
 @functools.cache
 def make(position_embedding: str = "relative", **kw) -> tuple[Decoder, dict]:
+    """A network and parameters: the base network's, minus what this variant lacks
+    (relpos_bias with rope, logits_dense when tied), so one initialisation serves all."""
     net = Decoder(DecoderConfig(**SIZES, position_embedding=position_embedding, **kw))
-    tokens = jnp.ones(SHAPE, jnp.int32)
-    return net, net.init({"params": jax.random.PRNGKey(0)}, tokens, tokens, enable_dropout=False)
+    shapes = init_shapes(net)["params"]
+    params = {name: base_params()[name] for name in shapes}
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, shapes)
+    return net, {"params": params}
 
 
 def logits(net: Decoder, variables: dict, tokens: jnp.ndarray, **features) -> np.ndarray:
     """Teacher-forced logits, with the inputs doubling as targets (zeros are padding)."""
-    return np.asarray(net.apply({"params": variables["params"]}, tokens, tokens,
-                                enable_dropout=False, **features))
+    return np.asarray(
+        net.apply({"params": variables["params"]}, tokens, tokens, enable_dropout=False, **features)
+    )
 
 
 def tokens_of(seed: int, shape=SHAPE) -> jnp.ndarray:
@@ -41,8 +61,10 @@ def tokens_of(seed: int, shape=SHAPE) -> jnp.ndarray:
 def flat_axes(variables: dict) -> dict:
     specs = nn_partitioning.get_axis_names(variables["params_axes"])
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    return {jax.tree_util.keystr(p): tuple(s)
-            for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
+    return {
+        jax.tree_util.keystr(p): tuple(s)
+        for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    }
 
 
 @pytest.mark.parametrize("position_embedding", POSITION_EMBEDDINGS)
@@ -52,7 +74,8 @@ def test_logits_shape_and_dtype(position_embedding: str, dtype: str) -> None:
     out = logits(net, variables, tokens_of(0))
     assert out.shape == (2, 12, SIZES["vocab_size"]) and out.dtype == np.float32
     assert np.isfinite(out).all()
-    assert {p.dtype for p in jax.tree.leaves(variables["params"])} == {jnp.dtype(jnp.float32)}
+    param_dtypes = {p.dtype for p in jax.tree.leaves(init_shapes(net)["params"])}
+    assert param_dtypes == {jnp.dtype(jnp.float32)}  # compute dtype never reaches parameters
 
 
 def test_tied_embeddings_have_no_output_projection() -> None:
@@ -76,7 +99,10 @@ def test_packed_row_equals_each_sequence_alone(position_embedding: str) -> None:
     net, variables = make(position_embedding)
     tokens = tokens_of(3)
     first, second = tokens[0, :5], tokens[1, :6]
-    pad = lambda *parts: jnp.concatenate([*parts, jnp.zeros(12 - sum(map(len, parts)), jnp.int32)])  # noqa: E731
+
+    def pad(*parts: jnp.ndarray) -> jnp.ndarray:
+        return jnp.concatenate([*parts, jnp.zeros(SHAPE[1] - sum(map(len, parts)), jnp.int32)])
+
     # Each alone, unpacked and zero-padded; then packed both ways round, with one pad token.
     alone = logits(net, variables, jnp.stack([pad(first), pad(second)]))
     packed = jnp.stack([pad(first, second), pad(second, first)])
@@ -102,19 +128,19 @@ def test_prefix_attends_bidirectionally_and_the_rest_causally(position_embedding
     assert not np.allclose(base[:, 0], run(changed_prefix)[:, 0])  # token 0 sees prefix token 3
     np.testing.assert_array_equal(base[:, :9], run(changed_suffix)[:, :9])
     # Without the prefix flag the same change is invisible to token 0: the test is not vacuous.
-    np.testing.assert_array_equal(logits(net, variables, a)[:, 0],
-                                  logits(net, variables, changed_prefix)[:, 0])
+    np.testing.assert_array_equal(
+        logits(net, variables, a)[:, 0], logits(net, variables, changed_prefix)[:, 0]
+    )
 
 
 @pytest.mark.parametrize("remat_policy", ["none", "full"])
 def test_every_param_has_logical_axes_of_its_rank(remat_policy: str) -> None:
-    net = Decoder(DecoderConfig(**SIZES, remat_policy=remat_policy))
-    tokens = jnp.ones(SHAPE, jnp.int32)
-    variables = jax.eval_shape(functools.partial(net.init, enable_dropout=False),  # no compile
-                               jax.random.PRNGKey(0), tokens, tokens)
+    variables = init_shapes(Decoder(DecoderConfig(**SIZES, remat_policy=remat_policy)))
     axes = flat_axes(variables)
-    params = {jax.tree_util.keystr(p): x
-              for p, x in jax.tree_util.tree_flatten_with_path(variables["params"])[0]}
+    params = {
+        jax.tree_util.keystr(p): x
+        for p, x in jax.tree_util.tree_flatten_with_path(variables["params"])[0]
+    }
     assert axes.keys() == params.keys()
     for path, leaf in params.items():
         assert len(axes[path]) == leaf.ndim, path
@@ -133,11 +159,12 @@ def test_every_param_has_logical_axes_of_its_rank(remat_policy: str) -> None:
 @functools.cache
 def loss_and_grads(remat_policy: str) -> tuple[jnp.ndarray, dict]:
     net = Decoder(DecoderConfig(**SIZES, remat_policy=remat_policy))
-    _, variables = make()  # one set of parameters for every policy
     tokens = tokens_of(6)
-    loss = lambda p: jnp.mean(  # noqa: E731
-        net.apply({"params": p}, tokens, tokens, enable_dropout=False) ** 2)
-    return jax.jit(jax.value_and_grad(loss))(variables["params"])  # eager backward is slower
+
+    def loss(params: dict) -> jnp.ndarray:
+        return jnp.mean(net.apply({"params": params}, tokens, tokens, enable_dropout=False) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss))(base_params())  # eager backward is slower
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
@@ -151,13 +178,20 @@ def test_remat_matches_no_remat_in_value_and_gradient(policy: str) -> None:
 def test_dropout_changes_outputs_only_when_enabled() -> None:
     net, variables = make(dropout_rate=0.5)
     tokens = tokens_of(7)
-    train = jax.jit(lambda seed: net.apply({"params": variables["params"]}, tokens, tokens,
-                                           rngs={"dropout": jax.random.PRNGKey(seed)}))
+    params = {"params": variables["params"]}
+
+    @jax.jit  # the training path compiles once; eager dropout compiles op by op
+    def train(seed: int) -> jnp.ndarray:
+        return net.apply(params, tokens, tokens, rngs={"dropout": jax.random.PRNGKey(seed)})
+
     assert not np.allclose(train(0), train(1))
-    eval_ = lambda seed: net.apply({"params": variables["params"]}, tokens, tokens,  # noqa: E731
-                                   enable_dropout=False, rngs={"dropout": jax.random.PRNGKey(seed)})
-    np.testing.assert_array_equal(eval_(0), eval_(1))
-    np.testing.assert_array_equal(eval_(0), logits(*make(), tokens))  # same params, no dropout
+
+    def evaluate(seed: int) -> jnp.ndarray:
+        rngs = {"dropout": jax.random.PRNGKey(seed)}
+        return net.apply(params, tokens, tokens, enable_dropout=False, rngs=rngs)
+
+    np.testing.assert_array_equal(evaluate(0), evaluate(1))
+    np.testing.assert_array_equal(evaluate(0), logits(*make(), tokens))  # same params, no dropout
 
 
 def test_decode_is_a_clear_error() -> None:
@@ -172,10 +206,18 @@ def test_config_accepts_lists_from_gin_and_yaml() -> None:
     hash(config)  # Flax module attributes must be hashable
 
 
-@pytest.mark.parametrize("field, value", [
-    ("position_embedding", "alibi"), ("dtype", "float16"), ("remat_policy", "some"),
-    ("mlp_activations", ["tanh"]), ("emb_dim", 0), ("dropout_rate", 1.0),
-    ("relative_attention_max_distance", 8)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("position_embedding", "alibi"),
+        ("dtype", "float16"),
+        ("remat_policy", "some"),
+        ("mlp_activations", ["tanh"]),
+        ("emb_dim", 0),
+        ("dropout_rate", 1.0),
+        ("relative_attention_max_distance", 8),
+    ],
+)
 def test_config_errors_name_the_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=f"DecoderConfig.{field}"):
         DecoderConfig(**{**SIZES, field: value})

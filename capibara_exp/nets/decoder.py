@@ -29,8 +29,11 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _POSITIONS = ("relative", "rope")
 # 'dots' keeps the weight matmuls' outputs (dots without batch dimensions) and recomputes
 # attention scores, which are the large [B, H, L, S] tensors.
-_REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +58,10 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))  # gin/YAML lists
-        for name in ("vocab_size", "emb_dim", "num_heads", "head_dim", "num_layers", "mlp_dim",
-                     "relative_attention_num_buckets", "relative_attention_max_distance"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DecoderConfig.{name} must be positive, got {getattr(self, name)}")
+        for field in dataclasses.fields(self):  # every int field is a size or a count
+            if field.type in (int, "int") and getattr(self, field.name) <= 0:
+                value = getattr(self, field.name)
+                raise ValueError(f"DecoderConfig.{field.name} must be positive, got {value}")
         if not self.mlp_activations:
             raise ValueError("DecoderConfig.mlp_activations must name at least one activation")
         _check_choices("mlp_activations", self.mlp_activations, _ACTIVATIONS)
@@ -66,16 +69,23 @@ class DecoderConfig:
         _check_choices("position_embedding", (self.position_embedding,), _POSITIONS)
         _check_choices("remat_policy", (self.remat_policy,), _REMAT)
         if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"DecoderConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")
+            raise ValueError(
+                f"DecoderConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}"
+            )
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim must be even for rope, got {self.head_dim}")
         if self.rope_max_wavelength <= 0:
-            raise ValueError("DecoderConfig.rope_max_wavelength must be positive, "
-                             f"got {self.rope_max_wavelength}")
+            raise ValueError(
+                "DecoderConfig.rope_max_wavelength must be positive, "
+                f"got {self.rope_max_wavelength}"
+            )
         if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
-            raise ValueError("DecoderConfig.relative_attention_max_distance must exceed half of "
-                             f"relative_attention_num_buckets ({self.relative_attention_num_buckets})"
-                             f", got {self.relative_attention_max_distance}")
+            raise ValueError(
+                "DecoderConfig.relative_attention_max_distance must exceed half "
+                "of relative_attention_num_buckets "
+                f"({self.relative_attention_num_buckets}), "
+                f"got {self.relative_attention_max_distance}"
+            )
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -86,6 +96,11 @@ def _check_choices(field: str, values: tuple[str, ...], allowed) -> None:
     for value in values:
         if value not in allowed:
             raise ValueError(f"DecoderConfig.{field}: {value!r} is not one of {sorted(allowed)}")
+
+
+def dropout(x: jnp.ndarray, rate: float, enable_dropout: bool, name: str | None = None):
+    """T5X's dropout: one mask per position shared along axis -2 (length or query)."""
+    return nn.Dropout(rate, broadcast_dims=(-2,), name=name)(x, deterministic=not enable_dropout)
 
 
 class Dense(nn.Module):
@@ -100,8 +115,9 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         init = nn.initializers.variance_scaling(self.init_scale, "fan_in", self.distribution)
-        kernel = param_with_axes("kernel", init, (x.shape[-1], self.features), jnp.float32,
-                                 axes=self.axes)
+        kernel = param_with_axes(
+            "kernel", init, (x.shape[-1], self.features), jnp.float32, axes=self.axes
+        )
         return jnp.einsum("...d,df->...f", x.astype(self.dtype), kernel.astype(self.dtype))
 
 
@@ -114,8 +130,9 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
         x = x_BxLxD.astype(jnp.float32)
-        scale_D = param_with_axes("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32,
-                                  axes=("embed",))
+        scale_D = param_with_axes(
+            "scale", nn.initializers.ones, (x.shape[-1],), jnp.float32, axes=("embed",)
+        )
         x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
         return (x * scale_D).astype(self.dtype)
 
@@ -127,9 +144,13 @@ class Embed(nn.Module):
     emb_dim: int
 
     def setup(self) -> None:
-        self.embedding = param_with_axes("embedding", nn.initializers.normal(1.0),
-                                         (self.vocab_size, self.emb_dim), jnp.float32,
-                                         axes=("vocab", "embed"))
+        self.embedding = param_with_axes(
+            "embedding",
+            nn.initializers.normal(1.0),
+            (self.vocab_size, self.emb_dim),
+            jnp.float32,
+            axes=("vocab", "embed"),
+        )
 
     def __call__(self, tokens_BxL: jnp.ndarray) -> jnp.ndarray:
         return jnp.take(self.embedding, tokens_BxL.astype(jnp.int32), axis=0)
@@ -138,8 +159,9 @@ class Embed(nn.Module):
         return jnp.einsum("bld,vd->blv", x_BxLxD.astype(jnp.float32), self.embedding)
 
 
-def relative_position_buckets(relative_BxLxS: jnp.ndarray, num_buckets: int,
-                              max_distance: int) -> jnp.ndarray:
+def relative_position_buckets(
+    relative_BxLxS: jnp.ndarray, num_buckets: int, max_distance: int
+) -> jnp.ndarray:
     """T5's causal bucketing of (key - query) positions: exact when near, log-spaced when far.
 
     Keys after the query (reachable only inside a prefix-LM prefix) share bucket 0 with the
@@ -148,7 +170,8 @@ def relative_position_buckets(relative_BxLxS: jnp.ndarray, num_buckets: int,
     distance = jnp.maximum(-relative_BxLxS, 0)
     exact = num_buckets // 2
     log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact)
-    far = jnp.minimum(exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32), num_buckets - 1)
+    far = exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32)
+    far = jnp.minimum(far, num_buckets - 1)
     return jnp.where(distance < exact, distance, far)
 
 
@@ -162,15 +185,22 @@ class RelativePositionBias(nn.Module):
     @nn.compact
     def __call__(self, positions_BxL: jnp.ndarray) -> jnp.ndarray:
         table_HxN = param_with_axes(
-            "rel_embedding", nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
-            (self.num_heads, self.num_buckets), jnp.float32, axes=("heads", "relpos_buckets"))
+            "rel_embedding",
+            nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
+            (self.num_heads, self.num_buckets),
+            jnp.float32,
+            axes=("heads", "relpos_buckets"),
+        )
         relative_BxLxS = positions_BxL[:, None, :] - positions_BxL[:, :, None]
-        buckets_BxLxS = relative_position_buckets(relative_BxLxS, self.num_buckets,
-                                                  self.max_distance)
+        buckets_BxLxS = relative_position_buckets(
+            relative_BxLxS, self.num_buckets, self.max_distance
+        )
         return jnp.moveaxis(table_HxN[:, buckets_BxLxS], 0, 1)  # [B, H, L, S]
 
 
-def rotate(x_BxLxHxK: jnp.ndarray, positions_BxL: jnp.ndarray, max_wavelength: float) -> jnp.ndarray:
+def rotate(
+    x_BxLxHxK: jnp.ndarray, positions_BxL: jnp.ndarray, max_wavelength: float
+) -> jnp.ndarray:
     """Rotary position embedding of queries or keys (first half paired with second half)."""
     half = x_BxLxHxK.shape[-1] // 2
     inv_freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -188,29 +218,33 @@ class Attention(nn.Module):
     def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
         c = self.config
         dtype, hk = c.compute_dtype, c.num_heads * c.head_dim
-        proj = lambda name, scale=1.0: Dense(hk, ("embed", "joined_kv"), dtype,  # noqa: E731
-                                             init_scale=scale, distribution="normal", name=name)
-        heads = lambda t: constrain(t.reshape(t.shape[:2] + (c.num_heads, c.head_dim)),  # noqa: E731
-                                    ("batch", "length", "heads", "kv"))
+
+        def project(name: str, init_scale: float = 1.0) -> jnp.ndarray:
+            kernel = Dense(hk, ("embed", "joined_kv"), dtype, init_scale, "normal", name=name)
+            y_BxLxHK = kernel(x_BxLxD)
+            y_BxLxHxK = y_BxLxHK.reshape(y_BxLxHK.shape[:2] + (c.num_heads, c.head_dim))
+            return constrain(y_BxLxHxK, ("batch", "length", "heads", "kv"))
+
         # T5 scales logits by 1/sqrt(head_dim) through the query's initialisation instead.
-        q_BxLxHxK = heads(proj("query", 1.0 / c.head_dim)(x_BxLxD))
-        k_BxSxHxK = heads(proj("key")(x_BxLxD))
-        v_BxSxHxK = heads(proj("value")(x_BxLxD))
+        q_BxLxHxK = project("query", init_scale=1.0 / c.head_dim)
+        k_BxSxHxK = project("key")
+        v_BxSxHxK = project("value")
         if c.position_embedding == "rope":
             q_BxLxHxK = rotate(q_BxLxHxK, positions_BxL, c.rope_max_wavelength)
             k_BxSxHxK = rotate(k_BxSxHxK, positions_BxL, c.rope_max_wavelength)
-        scores_BxHxLxS = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK,
-                                    preferred_element_type=jnp.float32)
+        scores_BxHxLxS = jnp.einsum(
+            "blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32
+        )
         if bias_BxHxLxS is not None:
             scores_BxHxLxS = scores_BxHxLxS + bias_BxHxLxS
         scores_BxHxLxS = jnp.where(mask_Bx1xLxS, scores_BxHxLxS, jnp.finfo(jnp.float32).min)
         probs_BxHxLxS = jax.nn.softmax(scores_BxHxLxS, axis=-1).astype(dtype)
-        probs_BxHxLxS = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(
-            probs_BxHxLxS, deterministic=not enable_dropout)
+        probs_BxHxLxS = dropout(probs_BxHxLxS, c.dropout_rate, enable_dropout)
         out_BxLxHxK = jnp.einsum("bhls,bshk->blhk", probs_BxHxLxS, v_BxSxHxK)
         out_BxLxHK = out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (hk,))
-        return Dense(c.emb_dim, ("joined_kv", "embed"), dtype, distribution="normal",
-                     name="out")(out_BxLxHK)
+        return Dense(c.emb_dim, ("joined_kv", "embed"), dtype, distribution="normal", name="out")(
+            out_BxLxHK
+        )
 
 
 class Mlp(nn.Module):
@@ -224,11 +258,11 @@ class Mlp(nn.Module):
         h_BxLxF = None
         for i, act in enumerate(c.mlp_activations):
             name = "wi" if len(c.mlp_activations) == 1 else f"wi_{i}"
-            branch = _ACTIVATIONS[act](Dense(c.mlp_dim, ("embed", "mlp"), c.compute_dtype,
-                                             name=name)(x_BxLxD))
+            branch = _ACTIVATIONS[act](
+                Dense(c.mlp_dim, ("embed", "mlp"), c.compute_dtype, name=name)(x_BxLxD)
+            )
             h_BxLxF = branch if h_BxLxF is None else h_BxLxF * branch
-        h_BxLxF = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(
-            h_BxLxF, deterministic=not enable_dropout)
+        h_BxLxF = dropout(h_BxLxF, c.dropout_rate, enable_dropout)
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
         return Dense(c.emb_dim, ("mlp", "embed"), c.compute_dtype, name="wo")(h_BxLxF)
 
@@ -239,15 +273,16 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
         c = self.config
-        drop = lambda h, name: nn.Dropout(c.dropout_rate, broadcast_dims=(-2,), name=name)(  # noqa: E731
-            h, deterministic=not enable_dropout)
         h = RMSNorm(c.compute_dtype, name="pre_self_attention_layer_norm")(x_BxLxD)
-        h = Attention(c, name="self_attention")(h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
-                                                enable_dropout)
-        x_BxLxD = x_BxLxD + drop(h, "post_self_attention_dropout")
+        h = Attention(c, name="self_attention")(
+            h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
+        )
+        x_BxLxD = x_BxLxD + dropout(
+            h, c.dropout_rate, enable_dropout, "post_self_attention_dropout"
+        )
         h = RMSNorm(c.compute_dtype, name="pre_mlp_layer_norm")(x_BxLxD)
         h = Mlp(c, name="mlp")(h, enable_dropout)
-        x_BxLxD = x_BxLxD + drop(h, "post_mlp_dropout")
+        x_BxLxD = x_BxLxD + dropout(h, c.dropout_rate, enable_dropout, "post_mlp_dropout")
         return constrain(x_BxLxD, ("batch", "length", "embed"))
 
 
@@ -255,12 +290,12 @@ def decoder_mask(target_tokens_BxL, segments_BxL=None, causal_attention_BxL=None
     """[B, 1, L, S] booleans, as T5X's make_decoder_mask: causal, or bidirectional between
     prefix positions; non-padding (target > 0) only; same segment only when packed."""
     length = target_tokens_BxL.shape[1]
-    mask_1xLxS = (jnp.arange(length)[:, None] >= jnp.arange(length)[None, :])[None]
+    allowed_BxLxS = (jnp.arange(length)[:, None] >= jnp.arange(length)[None, :])[None]
     if causal_attention_BxL is not None:
         prefix_BxL = causal_attention_BxL.astype(bool)
-        mask_1xLxS = mask_1xLxS | (prefix_BxL[:, :, None] & prefix_BxL[:, None, :])
+        allowed_BxLxS = allowed_BxLxS | (prefix_BxL[:, :, None] & prefix_BxL[:, None, :])
     real_BxL = target_tokens_BxL > 0
-    mask_BxLxS = mask_1xLxS & real_BxL[:, :, None] & real_BxL[:, None, :]
+    mask_BxLxS = allowed_BxLxS & real_BxL[:, :, None] & real_BxL[:, None, :]
     if segments_BxL is not None:
         mask_BxLxS = mask_BxLxS & (segments_BxL[:, :, None] == segments_BxL[:, None, :])
     return mask_BxLxS[:, None]
@@ -272,47 +307,65 @@ class Decoder(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, decoder_input_tokens, decoder_target_tokens, decoder_segment_ids=None,
-                 decoder_positions=None, decoder_causal_attention=None, *, enable_dropout=True,
-                 decode=False, max_decode_length=None, prefill=None, prefill_lengths=None):
+    def __call__(
+        self,
+        decoder_input_tokens,
+        decoder_target_tokens,
+        decoder_segment_ids=None,
+        decoder_positions=None,
+        decoder_causal_attention=None,
+        *,
+        enable_dropout=True,
+        decode=False,
+        max_decode_length=None,
+        prefill=None,
+        prefill_lengths=None,
+    ):
         del max_decode_length, prefill_lengths  # decoding only, which is not implemented
         if decode or prefill:
-            raise NotImplementedError("nets.Decoder: autoregressive decoding (decode=True or "
-                                      "prefill) is not implemented yet: there is no key/value "
-                                      "cache; use the network for training and scoring")
+            raise NotImplementedError(
+                "nets.Decoder: autoregressive decoding (decode=True or prefill) is not "
+                "implemented yet: there is no key/value cache; use it for training and scoring"
+            )
         c = self.config
         dtype, length = c.compute_dtype, decoder_input_tokens.shape[1]
-        drop = lambda h, name: nn.Dropout(c.dropout_rate, broadcast_dims=(-2,), name=name)(  # noqa: E731
-            h, deterministic=not enable_dropout)
         # Unpacked rows share one arange, so the relative bias is computed once, not per row.
-        positions_BxL = (jnp.arange(length)[None] if decoder_positions is None
-                         else decoder_positions)
-        mask_Bx1xLxS = decoder_mask(decoder_target_tokens, decoder_segment_ids,
-                                    decoder_causal_attention)
+        positions_BxL = jnp.arange(length)[None] if decoder_positions is None else decoder_positions
+        mask_Bx1xLxS = decoder_mask(
+            decoder_target_tokens, decoder_segment_ids, decoder_causal_attention
+        )
         bias_BxHxLxS = None
         if c.position_embedding == "relative":
             bias_BxHxLxS = RelativePositionBias(
-                c.num_heads, c.relative_attention_num_buckets, c.relative_attention_max_distance,
-                name="relpos_bias")(positions_BxL)
+                c.num_heads,
+                c.relative_attention_num_buckets,
+                c.relative_attention_max_distance,
+                name="relpos_bias",
+            )(positions_BxL)
 
         embedder = Embed(c.vocab_size, c.emb_dim, name="token_embedder")
-        x_BxLxD = constrain(embedder(decoder_input_tokens).astype(dtype),
-                            ("batch", "length", "embed"))
-        x_BxLxD = drop(x_BxLxD, "input_dropout")
+        x_BxLxD = constrain(
+            embedder(decoder_input_tokens).astype(dtype), ("batch", "length", "embed")
+        )
+        x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
         layer_cls = DecoderLayer
         if _REMAT[c.remat_policy] is not None:
             # Argument 0 is the module itself, so 5 is `enable_dropout`, a Python bool.
-            layer_cls = nn.remat(DecoderLayer, policy=_REMAT[c.remat_policy], prevent_cse=True,
-                                 static_argnums=(5,))
+            layer_cls = nn.remat(
+                DecoderLayer, policy=_REMAT[c.remat_policy], prevent_cse=True, static_argnums=(5,)
+            )
         for i in range(c.num_layers):
-            x_BxLxD = layer_cls(c, name=f"layers_{i}")(x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS,
-                                                       positions_BxL, enable_dropout)
-        x_BxLxD = drop(RMSNorm(dtype, name="decoder_norm")(x_BxLxD), "output_dropout")
+            x_BxLxD = layer_cls(c, name=f"layers_{i}")(
+                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
+            )
+        x_BxLxD = RMSNorm(dtype, name="decoder_norm")(x_BxLxD)
+        x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "output_dropout")
 
         # Logits in float32 for a stable softmax, as T5X's decoder-only network does.
         if c.logits_via_embedding:
             logits_BxLxV = embedder.attend(x_BxLxD) / jnp.sqrt(c.emb_dim)
         else:
-            logits_BxLxV = Dense(c.vocab_size, ("embed", "vocab"), jnp.float32,
-                                 name="logits_dense")(x_BxLxD)
+            logits_BxLxV = Dense(
+                c.vocab_size, ("embed", "vocab"), jnp.float32, name="logits_dense"
+            )(x_BxLxD)
         return constrain(logits_BxLxV, ("batch", "length", "vocab"))
