@@ -4,7 +4,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-KERNELS = ["segment_stats", "packing"]
+KERNELS = ["segment_stats", "packing", "robust_agg"]
 
 extensions = [
     Extension(
