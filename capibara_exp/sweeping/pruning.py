@@ -8,14 +8,14 @@ from typing import Any
 import optuna
 
 from capibara_exp.runtime.trainer import BaseAction
-from capibara_exp.sweeping.study import PRUNED_AT, make_pruner
+from capibara_exp.sweeping.study import PRUNED_AT, make_pruner, make_storage
 
 
 class OptunaPruning(BaseAction):
     """After each evaluation: trial.report(metric, step); True (stop) when the pruner says so."""
 
     def __init__(self, storage: str, study_name: str, number: int, metric: str, pruner: str):
-        self.study = optuna.load_study(study_name=study_name, storage=storage,
+        self.study = optuna.load_study(study_name=study_name, storage=make_storage(storage),
                                        pruner=make_pruner(pruner))
         trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(
             self.study._study_id, number)

@@ -73,7 +73,8 @@ def distribution(key: str, sweep: object) -> od.BaseDistribution:
         if "int" in sweep.tags:
             return od.IntDistribution(int(low), int(high), log="log" in sweep.tags)
         if "log" in sweep.tags and low <= 0:
-            raise ConfigError(f"{key}: tag(log, interval({low}, {high})) needs a positive lower bound")
+            raise ConfigError(f"{key}: tag(log, interval({low}, {high})) needs a positive "
+                              "lower bound")
         return od.FloatDistribution(float(low), float(high), log="log" in sweep.tags)
     raise ConfigError(f"{key}: unsupported sweep {sweep!r}")
 

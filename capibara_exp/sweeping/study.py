@@ -1,9 +1,10 @@
 """An Optuna study driven by Hydra jobs: ask, launch one job, tell; resumable from storage.
 
-Every worker (this process, and any other pointed at the same storage) pulls trials until
-the study holds `n_trials` finished or running ones, so re-running the same command
-continues a study, and trials are never rerun. A trial left RUNNING by a process of this
-host that no longer exists is marked FAIL before new trials start.
+Every worker (this process, the `n_workers - 1` it starts, and any other process pointed at
+the same storage) pulls trials until the study holds `n_trials` finished or running ones,
+so re-running the same command continues a study, and trials are never rerun. A trial left
+RUNNING by a process of this host that no longer exists is marked FAIL before new trials
+start.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import itertools
 import math
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
 import yaml
 from optuna.trial import TrialState
 
@@ -27,6 +30,7 @@ from capibara_exp.sweeping import space as space_lib
 PRUNED_AT = "pruned_at_step"
 ERROR = "error"
 ORPHANED = "its process died"
+NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last trial
 RESULTS = "optimization_results.yaml"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -44,6 +48,8 @@ class SweepSettings:
     n_trials: int = 8
     max_failure_rate: float = 0.5
     pruner: str = "none"
+    n_workers: int = 1
+    worker_index: int = 0  # set on the processes a sweep starts; 0 is the one you started
     params: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -58,6 +64,8 @@ class SweepSettings:
         if len(self.directions) != len(self.metrics):
             raise ConfigError(f"hydra.sweeper: {len(self.directions)} direction(s) but "
                               f"{len(self.metrics)} metric(s); give one direction per metric")
+        if self.n_workers < 1:
+            raise ConfigError(f"hydra.sweeper.n_workers must be >= 1, got {self.n_workers}")
         if self.n_trials < 1:
             raise ConfigError(f"hydra.sweeper.n_trials must be >= 1, got {self.n_trials}")
         if not 0.0 <= self.max_failure_rate <= 1.0:
@@ -119,16 +127,33 @@ def storage_url(storage: str | None, sweep_dir: Path) -> str:
     return f"sqlite:///{(sweep_dir / 'optuna.db').absolute()}"
 
 
+def make_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage for a SQLAlchemy URL or a journal file path (*.log, *.journal)."""
+    if url.endswith((".log", ".journal")) and "://" not in url:
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
+    # Local workers write one SQLite file at once: wait for its lock instead of failing.
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        except sqlalchemy.exc.SQLAlchemyError:
+            # Workers starting together on a new database race to create its tables; the
+            # loser finds them made on a second look.
+            if attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def open_study(settings: SweepSettings, url: str, space: space_lib.SearchSpace) -> optuna.Study:
     multi = len(settings.directions) > 1
-    storage: Any = url
-    if url.endswith((".log", ".journal")) and "://" not in url:
-        backend = optuna.storages.journal.JournalFileBackend(url)
-        storage = optuna.storages.JournalStorage(backend)
+    storage = make_storage(url)
+    # Workers with one seed would sample the same points: each gets its own.
+    seed = None if settings.seed is None else settings.seed + settings.worker_index
     return optuna.create_study(
         study_name=settings.study_name, storage=storage, load_if_exists=True,
         directions=settings.directions,
-        sampler=make_sampler(settings.sampler, settings.seed, space, multi),
+        sampler=make_sampler(settings.sampler, seed, space, multi),
         pruner=make_pruner(settings.pruner))
 
 
@@ -169,9 +194,12 @@ def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
 Launch = Callable[[list[str], int], Any]  # (overrides, trial number) -> the job's return value
 
 
-def run(settings: SweepSettings, launch: Launch, sweep_dir: Path,
-        arguments: Sequence[str] = ()) -> optuna.Study:
-    """Run trials until the study has n_trials; return the study."""
+def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Sequence[str] = (),
+        on_open: Callable[[], Any] | None = None) -> optuna.Study:
+    """Run trials until the study has n_trials; return the study.
+
+    `on_open` runs once the study exists in its storage (the sweeper starts its workers
+    there, so they find the study made)."""
     space = space_lib.parse([*(f"{k}={v}" for k, v in settings.params.items()), *arguments])
     if not space.distributions:
         raise ConfigError("hydra.sweeper.params and the command line define no search dimension "
@@ -179,14 +207,15 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path,
     url = storage_url(settings.storage, sweep_dir)
     study = open_study(settings, url, space)
     fail_orphans(study)
+    if on_open:
+        on_open()
     pruning = settings.pruner != "none" and len(settings.directions) == 1
-    while True:
-        trials = study.get_trials(deepcopy=False)
-        if len(trials) >= settings.n_trials:
-            break
+    while len(counted(study)) < settings.n_trials:
         if settings.sampler == "grid" and grid_done(study, space):
             break  # every point once, never twice
         trial = _ask(study, space)
+        if _lost_race(study, trial, settings.n_trials):
+            break
         trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("pid", os.getpid())
         overrides = [*space.fixed,
@@ -197,6 +226,25 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path,
         _check_failure_rate(study, settings.max_failure_rate)
     write_results(study, settings, sweep_dir)
     return study
+
+
+def counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The study's trials, less those asked by a worker that lost the race for the last one."""
+    return [t for t in study.get_trials(deepcopy=False) if NOT_RUN not in t.user_attrs]
+
+
+def _lost_race(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
+    """Whether trial n+1 or later was just asked (workers count, then ask, concurrently).
+
+    Trial numbers come from the storage in order, so the earlier-numbered trials decide:
+    the trial runs only when fewer than n_trials counted trials precede it. That decision
+    never depends on a later trial, so concurrent workers cannot both overshoot."""
+    before = [t for t in counted(study) if t.number < trial.number]
+    if len(before) < n_trials:
+        return False
+    trial.set_user_attr(NOT_RUN, f"the study already had n_trials={n_trials}")
+    study.tell(trial, state=TrialState.FAIL)
+    return True
 
 
 def _ask(study: optuna.Study, space: space_lib.SearchSpace) -> optuna.Trial:
@@ -241,8 +289,8 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrid
 
 def _check_failure_rate(study: optuna.Study, max_rate: float) -> None:
     # A trial whose sweep was killed under it did not fail on its own: it does not count.
-    finished = [t for t in study.get_trials(deepcopy=False, states=FINISHED)
-                if t.user_attrs.get(ERROR) != ORPHANED]
+    finished = [t for t in counted(study)
+                if t.state in FINISHED and t.user_attrs.get(ERROR) != ORPHANED]
     failed = [t for t in finished if t.state == TrialState.FAIL]
     if finished and failed and len(failed) / len(finished) > max_rate:
         last = failed[-1]
@@ -255,7 +303,8 @@ def _check_failure_rate(study: optuna.Study, max_rate: float) -> None:
 def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path) -> dict:
     """optimization_results.yaml and the best trial's overrides as an experiment file."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    counts = {s.name.lower(): len(study.get_trials(deepcopy=False, states=(s,)))
+    trials = counted(study)
+    counts = {s.name.lower(): sum(t.state == s for t in trials)
               for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
     results: dict[str, Any] = {"name": "capibara_optuna", "study_name": study.study_name,
                                "directions": settings.directions, "metrics": settings.metrics,

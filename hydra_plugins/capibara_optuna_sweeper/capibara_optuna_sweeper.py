@@ -27,9 +27,12 @@ class CapibaraOptunaSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
+        import sys
+
         from omegaconf import OmegaConf
 
         from capibara_exp.sweeping import study as study_lib
+        from capibara_exp.sweeping import workers
 
         settings = study_lib.SweepSettings(**OmegaConf.to_container(
             OmegaConf.create(self.settings), resolve=True))
@@ -42,4 +45,17 @@ class CapibaraOptunaSweeper(Sweeper):
             (job,) = self.launcher.launch([overrides], initial_job_idx=number)
             return job.return_value  # re-raises the job's exception
 
-        return study_lib.run(settings, launch, sweep_dir, arguments)
+        procs: list = []
+
+        def start_workers() -> None:
+            procs.extend(workers.start(sys.argv[1:], settings.n_workers, sweep_dir))
+
+        try:
+            study = study_lib.run(settings, launch, sweep_dir, arguments, on_open=start_workers)
+        except BaseException:
+            workers.stop(procs)
+            raise
+        workers.wait(procs, sweep_dir)
+        # The workers may have finished trials after this process's last look.
+        study_lib.write_results(study, settings, sweep_dir)
+        return study
