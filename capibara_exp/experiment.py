@@ -74,6 +74,7 @@ def run(cfg: DictConfig) -> dict | None:
         from capibara_exp.runtime import gin_utils
         from capibara_exp.runtime.metrics import last_metrics
 
+        _compilation_cache(cfg.get("compilation_cache_dir"))
         gin_utils.run_train(path, actions=_sweep_actions(cfg))
         _copy_operative_config(Path(cfg.model_dir), run_dir)
         metrics = last_metrics(Path(cfg.model_dir), "train_eval")
@@ -83,6 +84,17 @@ def run(cfg: DictConfig) -> dict | None:
         raise ConfigError(f"engine.name: unknown engine '{engine}'")
     print(f"capibara-exp: done; run dir {run_dir}", file=sys.stderr)
     return metrics
+
+
+def _compilation_cache(directory: str | None) -> None:
+    """Point XLA's persistent cache at `directory`; every program goes in, however quick."""
+    if not directory:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _sweep_actions(cfg: DictConfig) -> dict | None:

@@ -184,3 +184,6 @@ def test_n_workers_runs_a_real_sweep_in_two_processes(tmp_path: Path, data_dir: 
     assert len(pids) == 2, (pids, (sweep_dir / "workers" / "worker-1.log").read_text()[-2000:])
     for t in done:  # each trial trained in its own job dir
         assert (sweep_dir / str(t.number) / "config.gin").exists()
+    # Three learning rates, one train-step program: the rate is optimizer state, not a constant.
+    assert len({t.params["schedule.base_learning_rate"] for t in done}) == 3
+    assert len(list((sweep_dir / "xla_cache").glob("jit__step-*"))) == 1

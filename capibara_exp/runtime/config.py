@@ -122,6 +122,46 @@ _FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay"
             "cosine_decay", "linear_decay")
 
 
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """T5X's factor-product schedule as a callable step -> learning rate (a jnp scalar).
+
+    Its numbers are `hyperparams`, and `at(step, **hyperparams)` evaluates it with any of
+    them replaced by arrays: the local engine's optax keeps them in the optimizer state, so
+    a compiled step serves every learning rate (see runtime/hyperparams.py).
+    """
+
+    factors: tuple[str, ...]
+    hyperparams: Mapping[str, float]
+
+    def __call__(self, step: jnp.ndarray) -> jnp.ndarray:
+        return self.at(step)
+
+    def at(self, step: jnp.ndarray, **hyperparams: Any) -> jnp.ndarray:
+        hp = {**self.hyperparams, **hyperparams}
+        base, warmup = hp["base_learning_rate"], hp["warmup_steps"]
+        step = jnp.maximum(0, step - hp["step_offset"]).astype(jnp.float32)
+        ret = jnp.float32(1.0)
+        for name in self.factors:
+            if name == "constant":
+                ret *= base
+            elif name == "linear_warmup":
+                ret *= jnp.minimum(1.0, step / warmup)
+            elif name == "rsqrt_decay":
+                ret /= jnp.sqrt(jnp.maximum(step, warmup))
+            elif name == "rsqrt_normalized_decay":
+                ret *= jnp.sqrt(warmup) / jnp.sqrt(jnp.maximum(step, warmup))
+            elif name == "decay_every":
+                ret *= hp["decay_factor"] ** (step // hp["steps_per_decay"])
+            elif name == "cosine_decay":
+                progress = jnp.maximum(0.0, (step - warmup) / hp["steps_per_cycle"])
+                ret *= jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * (progress % 1.0))))
+            elif name == "linear_decay":  # warm-up then linear decay, as T5X writes it
+                ret *= base * jnp.minimum(step / warmup,
+                                          1.0 + hp["decay_factor"] * (warmup - step))
+        return jnp.maximum(ret, hp["min_learning_rate"]).astype(jnp.float32)
+
+
 def create_learning_rate_scheduler(
     factors: str = "constant * linear_warmup * rsqrt_decay",
     base_learning_rate: float = 0.5,
@@ -131,34 +171,15 @@ def create_learning_rate_scheduler(
     steps_per_cycle: int = 100000,
     step_offset: int = 0,
     min_learning_rate: float = 1e-8,
-) -> Callable[[jnp.ndarray], jnp.ndarray]:
+) -> Schedule:
     """T5X's factor-product schedule: step -> learning rate (a jnp scalar)."""
-    names = [n.strip() for n in factors.split("*")]
+    names = tuple(n.strip() for n in factors.split("*"))
     for name in names:
         if name not in _FACTORS:
             raise ValueError(f"utils.create_learning_rate_scheduler.factors: unknown factor '{name}' "
                              f"(known: {', '.join(_FACTORS)})")
-
-    def step_fn(step: jnp.ndarray) -> jnp.ndarray:
-        step = jnp.maximum(0, step - step_offset).astype(jnp.float32)
-        ret = jnp.float32(1.0)
-        for name in names:
-            if name == "constant":
-                ret *= base_learning_rate
-            elif name == "linear_warmup":
-                ret *= jnp.minimum(1.0, step / warmup_steps)
-            elif name == "rsqrt_decay":
-                ret /= jnp.sqrt(jnp.maximum(step, warmup_steps))
-            elif name == "rsqrt_normalized_decay":
-                ret *= jnp.sqrt(warmup_steps) / jnp.sqrt(jnp.maximum(step, warmup_steps))
-            elif name == "decay_every":
-                ret *= decay_factor ** (step // steps_per_decay)
-            elif name == "cosine_decay":
-                progress = jnp.maximum(0.0, (step - warmup_steps) / float(steps_per_cycle))
-                ret *= jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * (progress % 1.0))))
-            elif name == "linear_decay":  # warm-up then linear decay, as T5X writes it
-                ret *= base_learning_rate * jnp.minimum(
-                    step / warmup_steps, 1.0 + decay_factor * (warmup_steps - step))
-        return jnp.maximum(ret, min_learning_rate).astype(jnp.float32)
-
-    return step_fn
+    return Schedule(names, {
+        "base_learning_rate": float(base_learning_rate), "warmup_steps": float(warmup_steps),
+        "decay_factor": float(decay_factor), "steps_per_decay": float(steps_per_decay),
+        "steps_per_cycle": float(steps_per_cycle), "step_offset": float(step_offset),
+        "min_learning_rate": float(min_learning_rate)})

@@ -32,6 +32,7 @@ ERROR = "error"
 ORPHANED = "its process died"
 NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last trial
 RESULTS = "optimization_results.yaml"
+CACHE_KEY = "compilation_cache_dir"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -49,6 +50,7 @@ class SweepSettings:
     max_failure_rate: float = 0.5
     pruner: str = "none"
     n_workers: int = 1
+    compile_cache: bool = True  # trials share XLA's compilation cache in the sweep dir
     worker_index: int = 0  # set on the processes a sweep starts; 0 is the one you started
     params: dict[str, str] = field(default_factory=dict)
 
@@ -222,6 +224,10 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
                      *(space_lib.to_override(k, v) for k, v in trial.params.items())]
         if pruning:
             overrides.append(trial_override(url, settings, trial.number))
+        if settings.compile_cache and not any(
+                f.startswith(CACHE_KEY + "=") for f in space.fixed):
+            cache = str(sweep_dir.absolute() / "xla_cache")
+            overrides.append(space_lib.to_override(CACHE_KEY, cache))
         _run_trial(study, trial, launch, overrides, settings.metrics)
         _check_failure_rate(study, settings.max_failure_rate)
     write_results(study, settings, sweep_dir)
