@@ -1,5 +1,6 @@
 """The project's Flax networks, with T5X's decoder-only call signature and logical axes."""
 
 from capibara_exp.nets.decoder import Decoder, DecoderConfig
+from capibara_exp.nets.moe import MoeConfig, MoeDecoder
 
-__all__ = ["Decoder", "DecoderConfig"]
+__all__ = ["Decoder", "DecoderConfig", "MoeConfig", "MoeDecoder"]

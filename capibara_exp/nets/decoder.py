@@ -270,6 +270,11 @@ class Mlp(nn.Module):
 class DecoderLayer(nn.Module):
     config: DecoderConfig
 
+    def mlp_block(self, x_BxLxD, mask_Bx1xLxS, enable_dropout):
+        """The feed-forward block (a hook: nets.moe replaces it with a mixture of experts)."""
+        del mask_Bx1xLxS  # a dense MLP treats every position alike
+        return Mlp(self.config, name="mlp")(x_BxLxD, enable_dropout)
+
     @nn.compact
     def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
         c = self.config
@@ -281,7 +286,7 @@ class DecoderLayer(nn.Module):
             h, c.dropout_rate, enable_dropout, "post_self_attention_dropout"
         )
         h = RMSNorm(c.compute_dtype, name="pre_mlp_layer_norm")(x_BxLxD)
-        h = Mlp(c, name="mlp")(h, enable_dropout)
+        h = self.mlp_block(h, mask_Bx1xLxS, enable_dropout)
         x_BxLxD = x_BxLxD + dropout(h, c.dropout_rate, enable_dropout, "post_mlp_dropout")
         return constrain(x_BxLxD, ("batch", "length", "embed"))
 
@@ -301,10 +306,22 @@ def decoder_mask(target_tokens_BxL, segments_BxL=None, causal_attention_BxL=None
     return mask_BxLxS[:, None]
 
 
+def remat_layer(layer_cls: type[nn.Module], policy: str) -> type[nn.Module]:
+    """A layer class rematerialised by a named policy (the class itself for 'none')."""
+    if _REMAT[policy] is None:
+        return layer_cls
+    # Argument 0 is the module itself, so 5 is `enable_dropout`, a Python bool.
+    return nn.remat(layer_cls, policy=_REMAT[policy], prevent_cse=True, static_argnums=(5,))
+
+
 class Decoder(nn.Module):
     """The network: tokens in, float32 logits [batch, length, vocab] out."""
 
     config: DecoderConfig
+
+    def layer(self, i: int) -> nn.Module:
+        """Layer i (a hook: nets.MoeDecoder makes some layers sparse)."""
+        return remat_layer(DecoderLayer, self.config.remat_policy)(self.config, name=f"layers_{i}")
 
     @nn.compact
     def __call__(
@@ -348,14 +365,8 @@ class Decoder(nn.Module):
             embedder(decoder_input_tokens).astype(dtype), ("batch", "length", "embed")
         )
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
-        layer_cls = DecoderLayer
-        if _REMAT[c.remat_policy] is not None:
-            # Argument 0 is the module itself, so 5 is `enable_dropout`, a Python bool.
-            layer_cls = nn.remat(
-                DecoderLayer, policy=_REMAT[c.remat_policy], prevent_cse=True, static_argnums=(5,)
-            )
         for i in range(c.num_layers):
-            x_BxLxD = layer_cls(c, name=f"layers_{i}")(
+            x_BxLxD = self.layer(i)(
                 x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
             )
         x_BxLxD = RMSNorm(dtype, name="decoder_norm")(x_BxLxD)

@@ -72,19 +72,30 @@ class DecoderOnlyModel:
                                      enable_dropout=False)
         return unfreeze(variables)
 
-    def logits(self, params: Any, batch: Batch, dropout_rng: jax.Array | None) -> jnp.ndarray:
+    def _compute_logits(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
+                        mutable: Any = False) -> Any:
+        """Logits, or (logits, mutated collections) when `mutable` names any (T5X's method)."""
         features = {k: batch[k] for k in _MODULE_FEATURES if k in batch}
         if self.inputs_bidirectional_attention:
             features["decoder_causal_attention"] = batch["decoder_causal_attention"]
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
         return self.module.apply({"params": params}, batch["decoder_input_tokens"],
                                  batch["decoder_target_tokens"], **features,
-                                 enable_dropout=dropout_rng is not None, rngs=rngs)
+                                 enable_dropout=dropout_rng is not None, rngs=rngs,
+                                 mutable=mutable)
+
+    def logits(self, params: Any, batch: Batch, dropout_rng: jax.Array | None) -> jnp.ndarray:
+        return self._compute_logits(params, batch, dropout_rng)
 
     def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None
                 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
         """(loss to differentiate, metric sums over the batch's real tokens)."""
-        logits_BxLxV = self.logits(params, batch, dropout_rng).astype(jnp.float32)
+        return self.token_loss(self.logits(params, batch, dropout_rng), batch)
+
+    def token_loss(self, logits_BxLxV: jnp.ndarray, batch: Batch
+                   ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+        """The language-model loss of given logits and its metric sums."""
+        logits_BxLxV = logits_BxLxV.astype(jnp.float32)
         targets_BxL = batch["decoder_target_tokens"]
         weights_BxL = batch.get("decoder_loss_weights", targets_BxL > 0).astype(jnp.float32)
         loss_BxL, z_BxL = cross_entropy_with_z_loss(logits_BxLxV, targets_BxL,

@@ -1,13 +1,20 @@
-"""T5X's `partitioning` surface: a (data, model) device mesh and logical axis rules."""
+"""T5X's `partitioning` surface: a (data, model) device mesh and logical axis rules.
+
+The partitioner owns the mesh and the rules; `activation_context()` makes both current
+while a step is traced, so the networks' logical sharding constraints (flax's
+with_sharding_constraint) become real constraints instead of no-ops.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from flax import linen as nn
+from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capibara_exp.runtime.config import reject_unsupported
@@ -39,6 +46,19 @@ def standard_logical_axis_rules(
     return tuple(rules)
 
 
+def model_partitions(num_partitions: int | None,
+                     model_parallel_submesh: Sequence[int] | None) -> int:
+    """The size of the model axis from T5X's two mutually exclusive ways to give it."""
+    if num_partitions is not None and model_parallel_submesh is not None:
+        raise ValueError("partitioning.PjitPartitioner: num_partitions and "
+                         "model_parallel_submesh are mutually exclusive; set one")
+    model = num_partitions or (math.prod(model_parallel_submesh) if model_parallel_submesh else 1)
+    if model < 1:
+        raise ValueError(f"partitioning.PjitPartitioner: num_partitions={num_partitions} / "
+                         f"model_parallel_submesh={model_parallel_submesh} must be positive")
+    return model
+
+
 class PjitPartitioner:
     """A ('data', 'model') mesh over the local devices; params placed by logical axis rules."""
 
@@ -52,28 +72,50 @@ class PjitPartitioner:
         dcn_mesh_shape: Sequence[int] | None = None,
         logical_axis_rules: LogicalRules | None = None,
     ):
-        if num_partitions is not None and model_parallel_submesh is not None:
-            raise ValueError("partitioning.PjitPartitioner: num_partitions and "
-                             "model_parallel_submesh are mutually exclusive; set one")
         reject_unsupported("partitioning.PjitPartitioner", backend=backend,
                            ici_mesh_shape=ici_mesh_shape, dcn_mesh_shape=dcn_mesh_shape)
         if not params_on_devices:
             reject_unsupported("partitioning.PjitPartitioner", params_on_devices="False")
-        model = num_partitions or (math.prod(model_parallel_submesh) if model_parallel_submesh else 1)
-        devices = jax.devices()
-        if model < 1 or len(devices) % model:
-            raise ValueError(f"partitioning.PjitPartitioner: {model} model partitions do not divide "
-                             f"the {len(devices)} available devices")
-        self.mesh = Mesh(np.asarray(devices).reshape(len(devices) // model, model), ("data", "model"))
+        self.num_model_partitions = model_partitions(num_partitions, model_parallel_submesh)
+        self.mesh = self._make_mesh(jax.devices())
         self.logical_axis_rules = tuple(logical_axis_rules or standard_logical_axis_rules())
+
+    def _make_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
+        model = self.num_model_partitions
+        if len(devices) % model:
+            raise ValueError(f"partitioning.PjitPartitioner: num_partitions={model} model "
+                             f"partitions do not divide the {len(devices)} available devices")
+        return Mesh(np.asarray(devices).reshape(len(devices) // model, model), ("data", "model"))
+
+    # Mesh axes the batch dimension is split over (T5X: data_partition_spec).
+    batch_axes: tuple[str, ...] = ("data",)
+
+    @property
+    def data_partition_spec(self) -> PartitionSpec:
+        return PartitionSpec(self.batch_axes)
 
     @property
     def data_size(self) -> int:
-        return self.mesh.shape["data"]
+        """How many ways the batch is split: a batch must divide by it."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
     def data_sharding(self) -> NamedSharding:
-        """Batch dimension split over 'data'."""
-        return NamedSharding(self.mesh, PartitionSpec("data"))
+        """Batch dimension split over the batch axes."""
+        return NamedSharding(self.mesh, self.data_partition_spec)
+
+    def check_batch_size(self, batch_size: int, where: str = "batch size") -> None:
+        """A batch that does not split evenly over the mesh is an error before compiling."""
+        if batch_size % self.data_size:
+            shape = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
+            raise ValueError(f"{where} {batch_size} does not divide by the {self.data_size} batch "
+                             f"shards of the mesh ({shape}; batch split over {self.batch_axes})")
+
+    def activation_context(self) -> contextlib.ExitStack:
+        """Mesh and logical axis rules in force, so activation constraints apply when traced."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn_partitioning.axis_rules(self.logical_axis_rules))
+        return stack
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
