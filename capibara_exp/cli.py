@@ -14,13 +14,15 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.gin_bridge import ConfigError
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
 
 
 def register_resolvers() -> None:
     """OmegaConf resolvers the shipped configs use."""
     if not OmegaConf.has_resolver("abspath"):
         OmegaConf.register_new_resolver("abspath", lambda p: os.path.abspath(os.path.expanduser(p)))
+    if not OmegaConf.has_resolver("capibara_sweeps_root"):
+        OmegaConf.register_new_resolver("capibara_sweeps_root", lambda: str(SWEEPS_ROOT))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -65,12 +67,25 @@ def check_yaml(dirs: list[Path]) -> str | None:
     return None
 
 
+def register_sweeper() -> None:
+    """The capibara_optuna sweeper, also where Hydra's scan of hydra_plugins cannot see it
+    (an editable install's import hook hides the directory from that scan)."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.capibara_optuna_sweeper.capibara_optuna_sweeper import (
+        CapibaraOptunaSweeper,
+    )
+
+    Plugins.instance().register(CapibaraOptunaSweeper)
+
+
 def main() -> None:
     problem = check_yaml(_config_dirs(sys.argv[1:]))
     if problem:
         print(f"capibara-exp: configuration error: {problem}", file=sys.stderr)
         sys.exit(2)
     register_resolvers()
+    register_sweeper()
     _app()
 
 

@@ -19,3 +19,5 @@ def _find(top_level: str, installed: str) -> Path:
 
 CONF_DIR = _find("conf", "conf")
 GIN_DIR = _find("gin", "gin_templates")
+# The directory holding sweeps/: on Hydra's search path, its sweeps/ is the group `sweeps`.
+SWEEPS_ROOT = _find("sweeps", "sweeps").parent
