@@ -18,6 +18,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
+# Groups that are off (null) unless chosen; when chosen they work like the groups above.
+OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "lora")
+# Features T5X does not have: their templates bind the local engine's own names.
+LOCAL_ONLY_GROUPS = ("ema", "nan_guard", "curriculum", "lora")
 ROOT_MACROS = ("model_dir", "random_seed")
 TEMPLATE_KEY = "template"
 
@@ -143,8 +147,10 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
 
     templates: list[Template] = []
     values: dict[str, tuple[str, object]] = {}  # MACRO -> (conf key, value)
-    for group in GIN_GROUPS:
+    for group in GIN_GROUPS + OPTIONAL_GROUPS:
         node = cfg.get(group)
+        if node is None and group in OPTIONAL_GROUPS:
+            continue
         if node is None:
             raise ConfigError(f"config group '{group}' is not set (conf/{group}/)")
         group_values = _container(node)
@@ -208,6 +214,10 @@ def header(engine: str) -> str:
 def render(cfg: DictConfig, engine: str, templates_dir: Path, sources: Mapping[str, str] | None = None,
            title: str = "") -> str:
     """The whole config.gin: a comment, the engine's header, and the shared body."""
+    chosen = [g for g in LOCAL_ONLY_GROUPS if cfg.get(g) is not None]
+    if engine != "local" and chosen:
+        raise ConfigError(f"{', '.join(chosen)}: the local engine's own feature(s), which T5X "
+                          f"does not have; run with engine=local or drop {chosen[0]}=...")
     intro = [f"# config.gin rendered by capibara-exp for engine={engine}."]
     if title:
         intro.append(f"# {title}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -23,7 +24,62 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
         "target_tokens": sums.get("weight_sum", 0.0),
     }
     out["perplexity"] = math.exp(min(out["cross_ent_loss"], 50.0))
+    # Per-batch means (e.g. MoE router metrics): their sums over the summed batch count.
+    batches = sums.get("batch_count", 0.0)
+    for key, value in sums.items():
+        if key.startswith("batch_mean/") and batches:
+            out[key.removeprefix("batch_mean/")] = value / batches
     return out
+
+
+PEAK_FILE = "peak_flops.json"
+
+
+@functools.cache
+def matmul_peak_flops(n: int = 2048, repeats: int = 6) -> float:
+    """Best observed f32 FLOP/s of an n x n x n jitted matmul on the default device (once per
+    process: the figure MFU is measured against)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def run_peak_flops(model_dir: str | Path) -> float:
+    """This machine's measured matmul peak, cached in the run dir so a resumed run's MFU is
+    measured against the same figure."""
+    path = Path(model_dir) / PEAK_FILE
+    if path.exists():
+        return float(json.loads(path.read_text())["matmul_peak_flops"])
+    peak = matmul_peak_flops()
+    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": "float32"}) + "\n")
+    return peak
+
+
+def model_flops_per_token(params: Any, config: Any, length: int) -> float:
+    """Analytic training FLOPs per token (PaLM's count): 6 x matmul weights + 12 x layers x
+    heads x head_dim x length for attention. Embedding lookups are not matmuls and are left
+    out unless the logits reuse the table; every expert of a MoE layer counts (an upper bound)."""
+    import jax
+
+    weights = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "kernel" or (name == "embedding" and getattr(config, "logits_via_embedding", 0)):
+            weights += leaf.size
+    attention = 0
+    if config is not None and hasattr(config, "num_layers"):
+        attention = 12 * config.num_layers * config.num_heads * config.head_dim * length
+    return 6.0 * weights + attention
 
 
 def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:

@@ -22,13 +22,16 @@ from jax.sharding import PartitionSpec
 
 from capibara_exp.kernels import segment_stats
 from capibara_exp.runtime import checkpoints, inputs
+from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.config import CheckpointConfig, DatasetConfig, reject_unsupported
-from capibara_exp.runtime.metrics import MetricsWriter, Progress, summarize
+from capibara_exp.runtime.metrics import (MetricsWriter, Progress, model_flops_per_token,
+                                          run_peak_flops, summarize)
 from capibara_exp.runtime.trainer import BaseAction, Trainer, TrainState
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or Inf; the last good checkpoint is left as it was."""
+    """The loss became NaN or Inf (too often, under the skip policy); the last good
+    checkpoint is left as it was."""
 
 
 def _periods_check(total_steps: int, eval_period: int | None, save_period: int | None) -> int:
@@ -109,8 +112,13 @@ def train(
     use_orbax: bool = True,
     verify_matching_vocabs_fn: Any = None,
     gc_period: int = 0,
+    curriculum: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[int, TrainState]:
-    """Train `model` for `total_steps`, resuming from the latest checkpoint in model_dir."""
+    """Train `model` for `total_steps`, resuming from the latest checkpoint in model_dir.
+
+    `curriculum` (the local engine's own parameter) replaces the train task by stages:
+    see runtime/curriculum.py.
+    """
     reject_unsupported("train_script.train", infer_eval_dataset_cfg=infer_eval_dataset_cfg,
                        use_hardware_rng=use_hardware_rng,
                        inference_evaluator_cls=inference_evaluator_cls,
@@ -122,6 +130,7 @@ def train(
     save_cfg, restore_cfg = checkpoint_cfg.save, checkpoint_cfg.restore
     epoch = _periods_check(total_steps, eval_period, save_cfg.period if save_cfg else None)
     stats_period = stats_period or epoch
+    stages = staged.parse_stages(curriculum, total_steps) if curriculum else None
     if random_seed is None:
         random_seed = random.SystemRandom().randint(0, 2**31 - 1)
     model_dir = str(Path(model_dir).absolute())
@@ -136,17 +145,26 @@ def train(
                           eval_names=[], summary_dir=model_dir, train_state_axes=state_axes,
                           rng=dropout_rng)
     trainer.check_batch_size(batch_size)
-    state = jax.device_put(state, trainer.state_shardings)
+    state = trainer.prepare_state(state)
 
     state, start_step = _restore(state, restore_cfg, model_dir, progress)
     data_seed = train_dataset_cfg.seed if train_dataset_cfg.seed is not None else random_seed
-    train_iter = inputs.batches(train_dataset_cfg, model.FEATURE_CONVERTER_CLS, data_seed,
-                                skip_batches=start_step)
+    if stages:
+        train_iter = staged.batches(stages, train_dataset_cfg, model.FEATURE_CONVERTER_CLS,
+                                    data_seed, start_step)
+    else:
+        train_iter = inputs.batches(train_dataset_cfg, model.FEATURE_CONVERTER_CLS, data_seed,
+                                    skip_batches=start_step)
     eval_batches = _eval_batches(train_eval_dataset_cfg, model, eval_steps)
     mgr = checkpoints.manager(model_dir, save_cfg.keep) if save_cfg else None
     data_sharding = partitioner.data_sharding()
 
-    window = _Window(batch_size * length)
+    max_skips = trainer.max_consecutive_skips if trainer.skip_nonfinite_updates else None
+    window = _Window(batch_size * length, max_skips)
+    window.flops_per_step = batch_size * length * model_flops_per_token(
+        getattr(model, "frozen_params", None) or state.params,
+        getattr(model.module, "config", None), length)
+    window.peak_flops = run_peak_flops(model_dir)
     step, stop = start_step, False
     while step < total_steps and not stop:
         host_batch = window.next_batch(train_iter)
@@ -190,8 +208,13 @@ def train(
 class _Window:
     """Step metrics since the last report, with the wall time, data wait and real tokens."""
 
-    def __init__(self, tokens_per_step: int):
+    def __init__(self, tokens_per_step: int, max_consecutive_skips: int | None = None):
         self.tokens_per_step = tokens_per_step
+        self.max_consecutive_skips = max_consecutive_skips  # None: stop at the first NaN/Inf
+        self.consecutive_skips = 0  # across windows: a run of skips may straddle a report
+        self.skipped_total = 0  # skipped steps in this process's training (resumes restart it)
+        self.flops_per_step = 0.0  # analytic model FLOPs (metrics.model_flops_per_token)
+        self.peak_flops = 0.0  # the machine's measured matmul peak
         self.reset()
 
     def reset(self) -> None:
@@ -221,12 +244,23 @@ class _Window:
         self.metrics.append(metrics)
 
     def check_finite(self) -> None:
-        """Raise TrainingDiverged naming the first step whose loss or gradient is NaN/Inf."""
+        """Raise TrainingDiverged naming the step where the loss or gradient went NaN/Inf (or,
+        under the skip policy, where max_consecutive_skips skipped steps in a row ended)."""
         for offset, m in enumerate(jax.device_get(self.metrics)):
-            if not (np.isfinite(m["loss_sum"]) and np.isfinite(m["grad_norm"])):
+            step = self.first_step + offset + 1
+            if self.max_consecutive_skips is None:
+                if not (np.isfinite(m["loss_sum"]) and np.isfinite(m["grad_norm"])):
+                    raise TrainingDiverged(
+                        f"loss or gradient became NaN/Inf at step {step}; training stopped, "
+                        "the last checkpoint written before it is intact")
+                continue
+            self.skipped_total += int(m["skipped_steps"])
+            self.consecutive_skips = self.consecutive_skips + 1 if m["skipped_steps"] else 0
+            if self.consecutive_skips >= self.max_consecutive_skips:
                 raise TrainingDiverged(
-                    f"loss or gradient became NaN/Inf at step {self.first_step + offset + 1}; "
-                    "training stopped, the last checkpoint written before it is intact")
+                    f"loss or gradient was NaN/Inf for {self.consecutive_skips} steps in a row "
+                    f"(trainer.Trainer.max_consecutive_skips={self.max_consecutive_skips}) at "
+                    f"step {step}; training stopped, the last checkpoint written is intact")
 
     def flush(self) -> dict[str, float]:
         """The report for this window (after checking it is finite), then a new window."""
@@ -235,10 +269,15 @@ class _Window:
         n = self.steps
         sums = _sum_metrics(self.metrics)
         m = summarize(sums)
+        updated = n - sums.get("skipped_steps", 0.0)
         m.update(learning_rate=float(jax.device_get(self.metrics[-1]["learning_rate"])),
-                 grad_norm=sums["grad_norm"] / n, step_time_s=elapsed / n,
+                 grad_norm=sums["grad_norm"] / max(updated, 1.0), step_time_s=elapsed / n,
                  tokens_per_s=self.tokens / elapsed, data_wait_share=self.wait_s / elapsed,
                  packing_fill=self.tokens / (n * self.tokens_per_step))
+        if self.peak_flops:
+            m["mfu"] = self.flops_per_step / (elapsed / n) / self.peak_flops
+        if "skipped_steps" in sums:
+            m.update(skipped_steps=sums["skipped_steps"], skipped_steps_total=self.skipped_total)
         self.reset()
         return m
 

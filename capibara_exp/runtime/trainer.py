@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import serialization, traverse_util
 
+from capibara_exp.runtime import hyperparams
 from capibara_exp.runtime.config import reject_unsupported
 
 
@@ -22,6 +23,7 @@ class TrainState:
     step: jnp.ndarray
     params: Any
     opt_state: Any
+    ema_params: Any = None  # an exponential moving average of params, when the trainer keeps one
 
     def state_dict(self) -> dict:
         """T5X's checkpoint tree: {'state': {'step', 'param_states'}, 'target': params}.
@@ -29,14 +31,19 @@ class TrainState:
         As T5X's OptaxWrapper does, the optax state is a state dict without the empty
         nodes of stateless transformations (optax.EmptyState), so the trees match.
         """
-        flat = traverse_util.flatten_dict(serialization.to_state_dict(self.opt_state), sep="/")
-        return {"state": {"step": self.step,
+        flat = traverse_util.flatten_dict(
+            serialization.to_state_dict(hyperparams.strip(self.opt_state)), sep="/")
+        tree = {"state": {"step": self.step,
                           "param_states": traverse_util.unflatten_dict(flat, sep="/")},
                 "target": self.params}
+        if self.ema_params is not None:  # beside T5X's keys, so a resume is exact
+            tree["ema_target"] = self.ema_params
+        return tree
 
     def restore_state(self, tree: Mapping) -> TrainState:
         """The inverse of state_dict: empty nodes come back from this state's own structure."""
-        reference = traverse_util.flatten_dict(serialization.to_state_dict(self.opt_state),
+        plain = hyperparams.strip(self.opt_state)  # numbers from the config, not the file
+        reference = traverse_util.flatten_dict(serialization.to_state_dict(plain),
                                                keep_empty_nodes=True, sep="/")
         given = traverse_util.flatten_dict(dict(tree["state"]["param_states"]), sep="/")
         for key, value in reference.items():
@@ -44,10 +51,13 @@ class TrainState:
                 if value is not traverse_util.empty_node:
                     raise ValueError(f"checkpoint has no optimizer state at param_states/{key}")
                 given[key] = value
-        opt_state = serialization.from_state_dict(
-            self.opt_state, traverse_util.unflatten_dict(given, sep="/"))
+        opt_state = hyperparams.rejoin(self.opt_state, serialization.from_state_dict(
+            plain, traverse_util.unflatten_dict(given, sep="/")))
+        if (self.ema_params is None) != ("ema_target" not in tree):
+            raise ValueError("checkpoint and run disagree on EMA weights (ema_target): a run with "
+                             "trainer.Trainer.ema_decay set resumes only from a checkpoint with EMA")
         return self.replace(step=jnp.asarray(tree["state"]["step"]), params=tree["target"],
-                            opt_state=opt_state)
+                            opt_state=opt_state, ema_params=tree.get("ema_target"))
 
 
 class BaseAction(abc.ABC):
@@ -56,6 +66,47 @@ class BaseAction(abc.ABC):
     @abc.abstractmethod
     def run(self, train_state: TrainState, metrics_by_task: Mapping[str, Any]) -> bool:
         ...
+
+
+class EarlyStoppingAction(BaseAction):
+    """T5X's EarlyStoppingAction: stop when `metric` = (task, name) has not improved over the
+    last `patience` evaluations (each change within atol + rtol * |previous| is no improvement)."""
+
+    def __init__(self, metric: tuple[str, str], mode: str, patience: int = 3,
+                 atol: float = 0.0, rtol: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"trainer.EarlyStoppingAction.mode must be 'min' or 'max', got {mode!r}")
+        if atol < 0 or rtol < 0:
+            raise ValueError(f"trainer.EarlyStoppingAction: atol and rtol must be >= 0, "
+                             f"got atol={atol}, rtol={rtol}")
+        if patience < 1:
+            raise ValueError(f"trainer.EarlyStoppingAction.patience must be >= 1, got {patience}")
+        self.task, self.metric = metric
+        self.mode, self.patience, self.atol, self.rtol = mode, patience, atol, rtol
+        self.history: list[float] = []
+
+    def _no_better(self, current: float, previous: float) -> bool:
+        delta = self.atol + self.rtol * abs(previous)
+        if self.mode == "min":
+            return current >= previous - delta
+        return current <= previous + delta
+
+    def run(self, train_state: TrainState, metrics_by_task: Mapping[str, Any]) -> bool:
+        if not metrics_by_task:  # no evaluation at this step
+            return False
+        value = metrics_by_task.get(self.task, {}).get(self.metric)
+        if value is None:  # T5X warns and does not run; an unknown name here is a typo
+            known = {t: sorted(m) for t, m in metrics_by_task.items()}
+            raise ValueError(f"trainer.EarlyStoppingAction.metric={(self.task, self.metric)!r}: "
+                             f"no such train-eval metric (have {known})")
+        self.history.append(float(value))
+        if len(self.history) < self.patience:
+            return False
+        if all(self._no_better(self.history[i + 1], self.history[i])
+               for i in range(self.patience - 1)):
+            return True
+        self.history.pop(0)
+        return False
 
 
 def _split_microbatches(batch: dict, num: int) -> dict:
@@ -77,17 +128,33 @@ class Trainer:
         learning_rate_fn: Callable[[jnp.ndarray], jnp.ndarray],
         num_microbatches: int | None,
         weight_metrics_computer: Any = None,
+        ema_decay: float | None = None,
+        skip_nonfinite_updates: bool = False,
+        max_consecutive_skips: int = 3,
     ):
+        """T5X's Trainer; `ema_decay`, `skip_nonfinite_updates` and `max_consecutive_skips`
+        are the local engine's own (T5X has neither EMA weights nor a skip-step policy)."""
         reject_unsupported("trainer.Trainer", weight_metrics_computer=weight_metrics_computer)
         if num_microbatches is not None and num_microbatches < 1:
             raise ValueError(f"trainer.Trainer.num_microbatches must be >= 1, got {num_microbatches}")
+        if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"trainer.Trainer.ema_decay must be in [0, 1), got {ema_decay}")
+        if max_consecutive_skips < 1:
+            raise ValueError("trainer.Trainer.max_consecutive_skips must be >= 1, "
+                             f"got {max_consecutive_skips}")
         del eval_names, summary_dir, train_state  # T5X's signature; the loop writes summaries
         self.model = model
         self.partitioner = partitioner
         self.learning_rate_fn = learning_rate_fn
+        self._learning_rate = jax.jit(lambda step: learning_rate_fn(step))
         self.num_microbatches = num_microbatches or 1
+        self.ema_decay = ema_decay
+        self.skip_nonfinite_updates = skip_nonfinite_updates
+        self.max_consecutive_skips = max_consecutive_skips
         self._rng = rng
         self._tx = model.optimizer_def.optax_optimizer
+        if ema_decay is not None:
+            train_state_axes = train_state_axes.replace(ema_params=train_state_axes.params)
         state_shardings = partitioner.shardings(train_state_axes)
         data, replicated = partitioner.data_sharding(), partitioner.replicated()
         self.state_shardings = state_shardings
@@ -95,6 +162,12 @@ class Trainer:
                                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
         self._eval_step = jax.jit(self._eval, in_shardings=(state_shardings.params, data),
                                   out_shardings=replicated)
+
+    def prepare_state(self, state: TrainState) -> TrainState:
+        """The state this trainer steps: with EMA weights (a copy of params) when it keeps them."""
+        if self.ema_decay is not None and state.ema_params is None:
+            state = state.replace(ema_params=jax.tree.map(jnp.array, state.params))
+        return jax.device_put(state, self.state_shardings)
 
     def check_batch_size(self, batch_size: int) -> None:
         data = self.partitioner.data_size
@@ -130,15 +203,45 @@ class Trainer:
         grads, sums = self._grads(state.params, batch, rng)
         updates, opt_state = self._tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(sums, grad_norm=optax.tree.norm(grads),
-                       learning_rate=self.learning_rate_fn(state.step))
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if self.ema_decay is not None:
+            new = new.replace(ema_params=jax.tree.map(
+                lambda e, p: self.ema_decay * e + (1.0 - self.ema_decay) * p,
+                state.ema_params, params))
+        grad_norm = optax.tree.norm(grads)
+        metrics = dict(sums, grad_norm=grad_norm)
+        if self.skip_nonfinite_updates:
+            new, metrics = _skip_if_nonfinite(state, new, metrics)
+        return new, metrics
 
     def _eval(self, params: Any, batch: dict) -> dict:
         return self.model.loss_fn(params, batch, None)[1]
 
     def train_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        return self._train_step(state, batch)
+        # The mesh and axis rules in force when jit traces make the nets' constraints real.
+        # The logged rate is computed beside the step, not in it: its schedule's numbers
+        # would be constants of the step, and a sweep's trials could not share it.
+        learning_rate = self._learning_rate(state.step)
+        with self.partitioner.activation_context():
+            state, metrics = self._train_step(state, batch)
+        return state, dict(metrics, learning_rate=learning_rate)
 
     def eval_step(self, state: TrainState, batch: dict) -> dict:
-        return self._eval_step(state.params, batch)
+        """Metric sums of one batch, with the EMA weights where the trainer keeps them."""
+        params = state.params if state.ema_params is None else state.ema_params
+        with self.partitioner.activation_context():
+            return self._eval_step(params, batch)
+
+
+def _skip_if_nonfinite(old: TrainState, new: TrainState, metrics: dict
+                       ) -> tuple[TrainState, dict]:
+    """Keep the old params/optimizer/EMA when the loss or gradient is NaN/Inf; the step (the
+    data position) still advances. A skipped step's sums are zeroed so window means stay finite."""
+    finite = jnp.isfinite(metrics["loss_sum"]) & jnp.isfinite(metrics["grad_norm"])
+    keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
+    state = new.replace(params=jax.tree.map(keep, new.params, old.params),
+                        opt_state=jax.tree.map(keep, new.opt_state, old.opt_state),
+                        ema_params=jax.tree.map(keep, new.ema_params, old.ema_params))
+    metrics = {k: (jnp.where(finite, v, 0.0) if k != "learning_rate" else v)
+               for k, v in metrics.items()}
+    return state, dict(metrics, skipped_steps=1.0 - finite.astype(jnp.float32))
