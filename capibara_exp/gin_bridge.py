@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
 # Groups that are off (null) unless chosen; when chosen they work like the groups above.
-OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "lora")
+OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "lora", "consensus")
 # Features T5X does not have: their templates bind the local engine's own names.
 LOCAL_ONLY_GROUPS = ("ema", "nan_guard", "curriculum", "lora")
 ROOT_MACROS = ("model_dir", "random_seed")

@@ -3,10 +3,16 @@
 The tree is T5X's {'state': {'step', 'param_states'}, 'target': params}, written by an
 Orbax CheckpointManager with step prefix 'checkpoint' and a PyTree handler with OCDBT,
 so T5X restores it with RestoreCheckpointConfig(mode='specific') and back.
+
+Each step dir also gets a checksum manifest (MANIFEST: SHA-256 and size of every file,
+written after Orbax finishes), so a merge can tell a corrupt or truncated checkpoint
+from a good one before reading it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,8 @@ import orbax.checkpoint as ocp
 STEP_PREFIX = "checkpoint"
 ITEM = "state"
 _STEP_DIR_RE = re.compile(rf"^{STEP_PREFIX}_(\d+)$")
+MANIFEST = "capibara_manifest.json"
+_HASH_CHUNK_BYTES = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -51,6 +59,54 @@ def save(mgr: ocp.CheckpointManager, step: int, tree: Any) -> None:
     """Write one checkpoint and wait until it is on disk."""
     mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}), force=True)
     mgr.wait_until_finished()
+    if jax.process_index() == 0:
+        write_manifest(Path(mgr.directory) / f"{STEP_PREFIX}_{step}")
+
+
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: str | Path) -> Path:
+    """Write step_dir/MANIFEST: {relative path: {sha256, bytes}} of every file under it."""
+    step_dir = Path(step_dir)
+    files = {str(p.relative_to(step_dir)): {"sha256": _file_digest(p), "bytes": p.stat().st_size}
+             for p in _files(step_dir)}
+    path = step_dir / MANIFEST
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: a manifest is either complete or absent
+    return path
+
+
+def verify_manifest(step_dir: str | Path) -> list[str] | None:
+    """Problems found against step_dir's manifest ([] if intact); None if it has no manifest."""
+    step_dir = Path(step_dir)
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return [f"{path}: unreadable manifest ({err})"]
+    problems = []
+    for rel, want in sorted(files.items()):
+        f = step_dir / rel
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(f"{f}: {f.stat().st_size} bytes, manifest says {want['bytes']} "
+                            "(truncated or rewritten)")
+        elif _file_digest(f) != want["sha256"]:
+            problems.append(f"{f}: SHA-256 differs from the manifest (corrupt)")
+    extra = sorted(str(p.relative_to(step_dir)) for p in _files(step_dir))
+    problems += [f"{step_dir / rel}: not in the manifest" for rel in extra if rel not in files]
+    return problems
 
 
 def restore(model_dir: str | Path, step: int, template: Any) -> Any:

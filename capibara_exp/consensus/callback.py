@@ -1,0 +1,57 @@
+"""`SweepSoup`: a Hydra callback that, at the end of a multirun, soups the trials' final
+checkpoints into <sweep dir>/merged (the model-soups recipe over a hyperparameter sweep)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+MERGED_SUBDIR = "merged"
+
+
+def trial_dirs(sweep_dir: Path) -> list[Path]:
+    """Subdirs of a sweep dir holding finished checkpoints, in job order."""
+    from capibara_exp.runtime import checkpoints
+
+    found = [d for d in sweep_dir.iterdir() if d.is_dir() and checkpoints.steps(d)]
+    return sorted(found, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit()
+                                        else 0, d.name))
+
+
+def soup_sweep(sweep_dir: str | Path, method: str = "greedy_soup", num_byzantine: int = 0,
+               min_pass_fraction: float = 0.5, max_val_loss_ratio: float | None = 1.5,
+               require_manifest: bool = True) -> dict:
+    """Merge the latest checkpoint of every trial of a sweep dir; returns the merge report."""
+    from capibara_exp.consensus import evaluate, run, store
+    from capibara_exp.consensus.gate import GateConfig
+    from capibara_exp.consensus.merge import MergeSpec, merge
+
+    sweep_dir = Path(sweep_dir).absolute()
+    trials = trial_dirs(sweep_dir)
+    if not trials:
+        raise FileNotFoundError(f"{sweep_dir}: no trial dir with finished checkpoints to soup")
+    candidates = [store.candidate_from_path(d, name=f"trial {d.name}") for d in trials]
+    evaluator = evaluate.from_parts(run.load_parts(run.find_config_gin(trials[0])))
+    gate = GateConfig(require_manifest=require_manifest, max_val_loss_ratio=max_val_loss_ratio,
+                      min_pass_fraction=min_pass_fraction)
+    return merge(candidates, MergeSpec(method=method, num_byzantine=num_byzantine),
+                 sweep_dir / MERGED_SUBDIR, evaluator, gate)
+
+
+class SweepSoup(Callback):
+    """hydra.callbacks entry (conf/consensus/sweep_soup.yaml); runs in the launching process."""
+
+    def __init__(self, **options: Any):
+        self.options = options
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rep = soup_sweep(sweep_dir, **self.options)
+        print(f"capibara-exp: souped {sum(r['accepted'] for r in rep['candidates'])} of "
+              f"{len(rep['candidates'])} trials into {rep['merged_checkpoint']} (val loss "
+              f"{rep['val_loss']['merged']:.4f}, best trial {rep['val_loss']['best_candidate']:.4f})",
+              file=sys.stderr)

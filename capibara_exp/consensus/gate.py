@@ -1,0 +1,167 @@
+"""The quality gate: which candidates may enter a merge, and whether enough of them did."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import jax
+import numpy as np
+
+from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
+from capibara_exp.runtime import checkpoints
+
+TARGET: LeafPath = ("target",)
+
+
+class ConsensusError(RuntimeError):
+    """Too few candidates passed the gate for the merge to go ahead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    """Thresholds; None switches a check off."""
+
+    require_manifest: bool = False      # a checkpoint without a checksum manifest is rejected
+    check_finite: bool = True           # NaN/Inf anywhere in the tree rejects a candidate
+    max_val_loss: float | None = None   # absolute validation-loss ceiling
+    max_val_loss_ratio: float | None = 1.5  # ceiling relative to the median candidate's loss
+    # Parameter-space outliers: distance to the coordinate-wise median above this x the
+    # median such distance (a sign-flipped near-init model can score a normal loss).
+    max_distance_ratio: float | None = 4.0
+    min_pass_fraction: float = 0.5      # consensus: this share of candidates must pass
+
+
+@dataclasses.dataclass
+class GateResult:
+    accepted: list[Candidate]
+    rejected: dict[str, str]
+    val_loss: dict[str, float]
+    index: dict[LeafPath, LeafInfo]
+
+
+def _integrity(c: Candidate, require_manifest: bool) -> str | None:
+    problems = checkpoints.verify_manifest(c.step_dir)
+    if problems is None:
+        return "no checksum manifest (integrity unverified)" if require_manifest else None
+    return "integrity: " + "; ".join(problems[:3]) if problems else None
+
+
+def _signature(index: dict[LeafPath, LeafInfo]) -> tuple:
+    return tuple(sorted((p, i.shape, str(i.dtype)) for p, i in index.items()))
+
+
+def _structure_diff(index: dict, reference: dict) -> str:
+    missing, extra = sorted(set(reference) - set(index)), sorted(set(index) - set(reference))
+    if missing or extra:
+        names = [("missing " + ".".join(p)) for p in missing[:2]] + [
+            ("unexpected " + ".".join(p)) for p in extra[:2]]
+        return "structure differs: " + ", ".join(names)
+    for p, info in reference.items():
+        if (index[p].shape, index[p].dtype) != (info.shape, info.dtype):
+            return (f"structure differs: {'.'.join(p)} is {index[p].shape} {index[p].dtype}, "
+                    f"others have {info.shape} {info.dtype}")
+    return "structure differs"
+
+
+def _non_finite(reader: LeafReader, c: Candidate, index: dict, params: dict) -> str | None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not bool(np.isfinite(np.asarray(leaf)).all()):
+            return "non-finite values in target." + ".".join(str(k.key) for k in path)
+    for path, info in index.items():
+        if path[:1] != TARGET and np.issubdtype(info.dtype, np.floating):
+            if not bool(np.isfinite(np.asarray(reader.read(c, path, info))).all()):
+                return "non-finite values in " + ".".join(path)
+    return None
+
+
+def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
+             cfg: GateConfig) -> GateResult:
+    """Check integrity, structure, finiteness and validation loss; enforce the consensus."""
+    rejected: dict[str, str] = {}
+    indexes: dict[str, dict] = {}
+    for c in candidates:
+        reason = _integrity(c, cfg.require_manifest)
+        if reason is None:
+            try:
+                indexes[c.name] = leaf_index(c)
+            except Exception as err:  # orbax raises many types for unreadable metadata
+                reason = f"unreadable metadata ({type(err).__name__}: {err})"
+        if reason:
+            rejected[c.name] = reason
+    if not indexes:
+        _fail(candidates, rejected, cfg)
+    common, _ = Counter(_signature(i) for i in indexes.values()).most_common(1)[0]
+    reference = next(i for i in indexes.values() if _signature(i) == common)
+    val_loss: dict[str, float] = {}
+    for c in candidates:
+        if c.name in rejected:
+            continue
+        if _signature(indexes[c.name]) != common:
+            rejected[c.name] = _structure_diff(indexes[c.name], reference)
+            continue
+        try:
+            params = reader.read_subtree(c, reference, TARGET)
+            reason = _non_finite(reader, c, reference, params) if cfg.check_finite else None
+        except Exception as err:  # a truncated or corrupt store fails in TensorStore
+            reason = f"unreadable ({type(err).__name__}: {str(err)[:200]})"
+            params = None
+        if params is not None and evaluator is not None:
+            val_loss[c.name] = evaluator.loss(params)
+        if reason:
+            rejected[c.name] = reason
+    _loss_thresholds(val_loss, rejected, cfg)
+    if cfg.max_distance_ratio is not None:
+        _distance_outliers([c for c in candidates if c.name not in rejected], reader, reference,
+                           rejected, cfg.max_distance_ratio)
+    accepted = [c for c in candidates if c.name not in rejected]
+    if len(accepted) < cfg.min_pass_fraction * len(candidates) or not accepted:
+        _fail(candidates, rejected, cfg)
+    return GateResult(accepted, rejected, val_loss, reference)
+
+
+def _loss_thresholds(val_loss: dict[str, float], rejected: dict[str, str], cfg: GateConfig) -> None:
+    live = {n: v for n, v in val_loss.items() if n not in rejected}
+    if not live:
+        return
+    ceiling = float("inf")
+    if cfg.max_val_loss is not None:
+        ceiling = cfg.max_val_loss
+    if cfg.max_val_loss_ratio is not None:
+        ceiling = min(ceiling, cfg.max_val_loss_ratio * float(np.median(list(live.values()))))
+    for name, loss in live.items():
+        if not loss <= ceiling:
+            rejected[name] = f"validation loss {loss:.4g} above the gate's ceiling {ceiling:.4g}"
+
+
+def _distance_outliers(live: list[Candidate], reader: LeafReader, index: dict,
+                       rejected: dict[str, str], ratio: float) -> None:
+    """Reject candidates far from the coordinate-wise median (one streaming pass)."""
+    from capibara_exp.consensus import methods
+
+    if len(live) < 3:
+        return
+    dist_sq = np.zeros(len(live))
+    for path, info in index.items():
+        if path[:1] != TARGET:
+            continue
+        leaves = [reader.read(c, path, info) for c in live]
+        med = np.asarray(methods.median(leaves), np.float64)
+        for i, x in enumerate(leaves):
+            dist_sq[i] += float(np.sum((np.asarray(x, np.float64) - med) ** 2))
+    dist = np.sqrt(dist_sq)
+    typical = float(np.median(dist))
+    for c, d in zip(live, dist, strict=True):
+        if typical > 0 and not d <= ratio * typical:
+            rejected[c.name] = (f"parameters {d:.4g} from the coordinate-wise median, over "
+                                f"{ratio} x the median distance {typical:.4g}")
+
+
+def _fail(candidates: list[Candidate], rejected: dict[str, str], cfg: GateConfig) -> None:
+    passed = len(candidates) - len(rejected)
+    lines = "\n".join(f"  {name}: {why}" for name, why in rejected.items())
+    raise ConsensusError(
+        f"consensus not reached: {passed} of {len(candidates)} candidates passed the gate, "
+        f"min_pass_fraction={cfg.min_pass_fraction} needs "
+        f"{int(np.ceil(cfg.min_pass_fraction * len(candidates)))}; rejected:\n{lines}")

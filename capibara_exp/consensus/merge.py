@@ -1,0 +1,154 @@
+"""The merge: gate the candidates, solve the method, stream every leaf, write and report.
+
+`merge()` is the one entry point the action, the Hydra callback, the console script and
+the federated rounds share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from capibara_exp.consensus import methods, report, soups
+from capibara_exp.consensus.gate import GateConfig, GateResult, run_gate
+from capibara_exp.consensus.store import Candidate, LeafReader, leaf_index, unflatten, write
+
+METHODS = ("uniform", "weighted", "greedy_soup", "learned", "median", "trimmed_mean", "krum",
+           "multi_krum", "geometric_median", "task_arithmetic", "ties")
+REPORT = "merge_report.json"
+PLOT = "merge_metrics.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeSpec:
+    """A merge method and its parameters (conf/consensus and conf/merge.yaml keys)."""
+
+    method: str = "uniform"
+    weights: Sequence[float] | None = None  # weighted: one per candidate (normalised)
+    num_byzantine: int = 0                  # f: Krum's and the trimmed mean's tolerance
+    num_selected: int | None = None         # multi-Krum: candidates averaged (default n - f)
+    scale: float = 1.0                      # task arithmetic / TIES: lambda
+    density: float = 0.2                    # TIES: share of each task vector kept
+    learn_steps: int = 10                   # learned: optimiser steps
+    learn_rate: float = 0.05                # learned: Adam learning rate on the logits
+    per_layer: bool = True                  # learned: one weight per candidate and layer
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: unknown merge method {self.method!r} (choose from "
+                             f"{', '.join(METHODS)})")
+        if self.num_byzantine < 0:
+            raise ValueError(f"num_byzantine must be >= 0, got {self.num_byzantine}")
+
+
+def _gram(candidates, reader, index) -> np.ndarray:
+    gram = np.zeros((len(candidates), len(candidates)))
+    for p in index:
+        if p[:1] == ("target",):
+            methods.gram_update(gram, [reader.read(c, p, index[p]) for c in candidates])
+    return gram
+
+
+def solve(spec: MergeSpec, gate: GateResult, reader: LeafReader, evaluator: Any) -> dict:
+    """Per-candidate (or per-layer) weights, or the per-leaf function, and solver details."""
+    cands, n = gate.accepted, len(gate.accepted)
+    m = spec.method
+    if m == "uniform":
+        return {"weights": methods.uniform_weights(n)}
+    if m == "weighted":
+        if spec.weights is None or len(spec.weights) != len(gate.accepted) + len(gate.rejected):
+            raise ValueError(f"weights: method=weighted needs one weight per candidate, got "
+                             f"{spec.weights!r}")
+        return {"weights": "by_name"}
+    if m == "greedy_soup":
+        w, log = soups.greedy_soup(cands, gate.val_loss, reader, gate.index, evaluator)
+        return {"weights": w, "greedy_log": log}
+    if m == "learned":
+        w, group_of, hist = soups.learned_weights(cands, reader, gate.index, evaluator,
+                                                  spec.learn_steps, spec.learn_rate, spec.per_layer)
+        return {"weights": w.mean(axis=1), "layer_weights": w, "group_of": group_of,
+                "learn_history": hist}
+    if m in ("krum", "multi_krum"):
+        selected = 1 if m == "krum" else (spec.num_selected or n - spec.num_byzantine)
+        return {"weights": methods.krum_weights(_gram(cands, reader, gate.index),
+                                                spec.num_byzantine, selected)}
+    if m == "geometric_median":
+        return {"weights": methods.geometric_median_weights(_gram(cands, reader, gate.index))}
+    return {}
+
+
+def _leaf_fn(spec: MergeSpec, solved: dict, base_reader: tuple | None):
+    m = spec.method
+    if m == "median":
+        return lambda path, leaves: methods.median(leaves)
+    if m == "trimmed_mean":
+        return lambda path, leaves: methods.trimmed_mean(leaves, spec.num_byzantine)
+    if m in ("task_arithmetic", "ties"):
+        reader, base, index = base_reader
+
+        def with_base(path, leaves):
+            if path[:1] != ("target",):  # optimizer state and step: mean / max
+                return methods.weighted_mean(leaves, methods.uniform_weights(len(leaves)))
+            b = reader.read(base, path, index[path])
+            if m == "ties":
+                return methods.ties(leaves, b, spec.density, spec.scale)
+            return methods.task_arithmetic(leaves, b, spec.scale)
+        return with_base
+    raise AssertionError(f"{m}: a weight method reached the per-leaf dispatch")
+
+
+def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
+          evaluator: Any = None, gate_cfg: GateConfig = GateConfig(),
+          base: Candidate | None = None, mesh: Any = None) -> dict:
+    """Merge candidates into out_dir/checkpoint_<step>; write merge_report.json and the plot."""
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir).absolute()
+    if spec.method in ("task_arithmetic", "ties") and base is None:
+        raise ValueError(f"method={spec.method} needs a base checkpoint (base=...)")
+    needs_eval = spec.method in ("greedy_soup", "learned")
+    if needs_eval and evaluator is None:
+        raise ValueError(f"method={spec.method} needs validation batches (an evaluator)")
+    with LeafReader(mesh) as reader:
+        gate = run_gate(list(candidates), reader, evaluator, gate_cfg)
+        solved = solve(spec, gate, reader, evaluator)
+        if isinstance(solved.get("weights"), str):  # weighted: the given weights by name
+            by_name = dict(zip([c.name for c in candidates], spec.weights, strict=True))
+            w = np.array([by_name[c.name] for c in gate.accepted], np.float64)
+            solved["weights"] = w / w.sum()
+        base_reader = None
+        if base is not None:
+            base_index = leaf_index(base)
+            bad = [p for p in gate.index if p[:1] == ("target",) and p not in base_index]
+            if bad:
+                raise ValueError(f"base {base.step_dir}: no leaf {'.'.join(bad[0])}")
+            base_reader = (reader, base, base_index)
+        weights = solved.get("weights")
+        fn = _leaf_fn(spec, solved, base_reader) if weights is None else None
+        used = [c for i, c in enumerate(gate.accepted) if weights is None or weights[i] != 0]
+        used_w = None if weights is None else np.asarray(weights)[np.asarray(weights) != 0]
+        flat = {}
+        for path, info in gate.index.items():
+            leaves = [reader.read(c, path, info) for c in used]
+            if used_w is not None and (path not in solved.get("group_of", {})):
+                flat[path] = methods.weighted_mean(leaves, used_w)
+            elif used_w is not None:
+                layer = solved["layer_weights"][:, solved["group_of"][path]]
+                flat[path] = methods.weighted_mean(leaves, layer[np.asarray(weights) != 0])
+            else:
+                flat[path] = fn(path, leaves)
+            del leaves
+        step = max(c.step for c in gate.accepted)
+        merged_loss = evaluator.loss(unflatten({p[1:]: v for p, v in flat.items()
+                                                if p[:1] == ("target",)})) if evaluator else None
+        ckpt = write(out_dir, step, flat)
+    rep = report.build(candidates, spec, gate, solved, merged_loss, ckpt, time.perf_counter() - t0)
+    (out_dir / REPORT).write_text(json.dumps(rep, indent=1))
+    if evaluator is not None:
+        report.plot(rep, out_dir / PLOT)
+    return rep

@@ -1,0 +1,171 @@
+"""Candidate checkpoints read one leaf at a time (Orbax partial restore), merged ones written.
+
+A merge never holds every candidate in memory: it walks the leaves of the tree (names,
+shapes and partition specs from Orbax's metadata) and, for each, reads that leaf of each
+candidate from the OCDBT store with TensorStore, placed with the sharding it was saved
+with when this process has the devices for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from capibara_exp.runtime import checkpoints
+
+LeafPath = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    """Shape, dtype and saved partition spec of one leaf."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    spec: tuple | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One checkpoint to merge: a T5X step dir (…/checkpoint_<step>) and a display name."""
+
+    name: str
+    step_dir: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.step_dir / checkpoints.ITEM
+
+    @property
+    def step(self) -> int:
+        return int(self.step_dir.name.rsplit("_", 1)[-1])
+
+
+def candidate_from_path(path: str | Path, name: str | None = None) -> Candidate:
+    """A step dir as given, or the latest finished checkpoint of a model dir."""
+    path = Path(path).absolute()
+    if path.name.startswith(f"{checkpoints.STEP_PREFIX}_"):
+        return Candidate(name or f"{path.parent.name}/{path.name}", path)
+    found = checkpoints.steps(path)
+    if not found:
+        raise FileNotFoundError(f"{path}: neither a checkpoint_<step> dir nor a model dir with "
+                                "finished checkpoints")
+    step_dir = path / f"{checkpoints.STEP_PREFIX}_{found[-1]}"
+    return Candidate(name or f"{path.name}/{step_dir.name}", step_dir)
+
+
+def last_k(model_dir: str | Path, k: int) -> list[Candidate]:
+    """The last k finished checkpoints of one run."""
+    model_dir = Path(model_dir).absolute()
+    return [candidate_from_path(model_dir / f"{checkpoints.STEP_PREFIX}_{s}", f"step {s}")
+            for s in checkpoints.steps(model_dir)[-k:]]
+
+
+def leaf_index(candidate: Candidate) -> dict[LeafPath, LeafInfo]:
+    """Every leaf's path, shape, dtype and partition spec, from the checkpoint's metadata."""
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ckptr.metadata(candidate.state_dir)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    index = {}
+    for path, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        sharding = getattr(m, "sharding", None)
+        spec = tuple(sharding.partition_spec) if hasattr(sharding, "partition_spec") else None
+        index[tuple(str(k.key) for k in path)] = LeafInfo(tuple(m.shape), np.dtype(m.dtype), spec)
+    return index
+
+
+def sharding_for(info: LeafInfo, mesh: Mesh | None) -> jax.sharding.Sharding:
+    """The saved partition spec on `mesh` (when given and it divides), else one device."""
+    if mesh is not None and info.spec is not None:
+        spec = PartitionSpec(*info.spec)
+        sharding = NamedSharding(mesh, spec)
+        try:
+            sharding.shard_shape(info.shape)
+            return sharding
+        except ValueError:  # this mesh does not divide the leaf: replicate it
+            return NamedSharding(mesh, PartitionSpec())
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+class LeafReader:
+    """Reads single leaves of checkpoints with TensorStore, shard by shard on `mesh`.
+
+    Orbax's partial restore costs about 18 ms a leaf here (it re-reads the tree's
+    metadata each call); opening the leaf's array in the OCDBT store directly costs
+    under 1 ms, and reads only the slices this process's devices hold.
+    """
+
+    def __init__(self, mesh: Mesh | None = None):
+        self.mesh = mesh
+        self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+    def _open(self, candidate: Candidate, path: LeafPath) -> ts.TensorStore:
+        kvstore = {"driver": "ocdbt", "base": f"file://{candidate.state_dir}/",
+                   "path": ".".join(path)}
+        errors = []
+        for driver in ("zarr", "zarr3"):  # Orbax writes zarr v2 by default, v3 on request
+            try:
+                return ts.open({"driver": driver, "kvstore": kvstore}, context=self._context,
+                               open=True, read=True).result()
+            except ValueError as err:
+                errors.append(str(err).split("[tensorstore_spec")[0])
+        raise ValueError(f"{candidate.state_dir}: leaf {'.'.join(path)}: {' / '.join(errors)}")
+
+    def read(self, candidate: Candidate, path: LeafPath, info: LeafInfo) -> jax.Array:
+        store = self._open(candidate, path)
+        if tuple(store.shape) != info.shape:
+            raise ValueError(f"{candidate.state_dir}: leaf {'.'.join(path)} has shape "
+                             f"{tuple(store.shape)}, its metadata says {info.shape}")
+        sharding = sharding_for(info, self.mesh)
+        by_device = sharding.addressable_devices_indices_map(info.shape)
+        arrays = [jax.device_put(store[index].read().result().astype(info.dtype, copy=False),
+                                 device) for device, index in by_device.items()]
+        return jax.make_array_from_single_device_arrays(info.shape, sharding, arrays)
+
+    def read_subtree(self, candidate: Candidate, index: dict[LeafPath, LeafInfo],
+                     prefix: LeafPath) -> dict:
+        """All leaves under `prefix` (e.g. ('target',): the parameters) as a nested dict."""
+        return unflatten({p[len(prefix):]: self.read(candidate, p, info)
+                          for p, info in index.items() if p[: len(prefix)] == prefix})
+
+    def close(self) -> None:
+        self._context = None
+
+    def __enter__(self) -> LeafReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def unflatten(flat: dict[LeafPath, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def iter_paths(index: dict[LeafPath, LeafInfo], prefix: LeafPath = ()) -> Iterator[LeafPath]:
+    return (p for p in index if p[: len(prefix)] == prefix)
+
+
+def write(model_dir: str | Path, step: int, flat: dict[LeafPath, Any]) -> Path:
+    """Write a merged tree as model_dir/checkpoint_<step> in T5X layout, with its manifest."""
+    mgr = checkpoints.manager(model_dir)
+    try:
+        checkpoints.save(mgr, step, unflatten(flat))
+    finally:
+        mgr.close()
+    return Path(model_dir).absolute() / f"{checkpoints.STEP_PREFIX}_{step}"

@@ -1,0 +1,230 @@
+"""Consensus merging on real tiny candidates: trained a few steps from one init on
+different client shards of the task, saved as T5X-layout checkpoints with manifests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from capibara_exp import experiment
+from capibara_exp.consensus import evaluate, federated, run, store
+from capibara_exp.consensus.gate import ConsensusError, GateConfig, run_gate
+from capibara_exp.consensus.merge import REPORT, MergeSpec, merge
+from capibara_exp.runtime import checkpoints
+from tests.conftest import compose_config
+
+TINY = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp_dim=64",
+        "data.batch_size=4", "data.task_feature_lengths={targets: 64}", "trainer.eval_steps=2",
+        "schedule.warmup_steps=2"]
+NUM_HONEST, LOCAL_STEPS = 5, 4
+OFF = GateConfig(check_finite=False, max_val_loss_ratio=None, max_distance_ratio=None,
+                 min_pass_fraction=0.0)
+
+
+def read_tree(step_dir: Path) -> dict:
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(step_dir / "state")
+
+
+def save_tree(model_dir: Path, step: int, tree: dict, config_gin: Path) -> store.Candidate:
+    mgr = checkpoints.manager(model_dir)
+    checkpoints.save(mgr, step, tree)
+    mgr.close()
+    shutil.copy(config_gin, model_dir / run.CONFIG_GIN)
+    return store.candidate_from_path(model_dir, name=model_dir.name)
+
+
+@pytest.fixture(scope="session")
+def setup(tmp_path_factory, data_dir):
+    """Honest candidates from one init (different data shards), the base, an evaluator."""
+    root = tmp_path_factory.mktemp("consensus")
+    cfg = compose_config([f"model_dir={root / 'run'}", *TINY])
+    config_gin = experiment.write_gin(cfg, root / "run", {})
+    parts = run.load_parts(config_gin)
+    trainer, state0 = federated.build_trainer(parts, seed=0)
+    base = save_tree(root / "base", 0, jax.device_get(state0.state_dict()), config_gin)
+    honest = []
+    for i in range(NUM_HONEST):
+        start = jax.tree.map(lambda x: x.copy(), state0)
+        state = federated.local_steps(trainer, start, federated.client_batches(parts, i, NUM_HONEST),
+                                      LOCAL_STEPS)
+        honest.append(save_tree(root / f"honest{i}", LOCAL_STEPS,
+                                jax.device_get(state.state_dict()), config_gin))
+    return {"root": root, "config_gin": config_gin, "parts": parts, "base": base,
+            "honest": honest, "evaluator": evaluate.from_parts(parts)}
+
+
+def corrupt(setup: dict, source: store.Candidate, kind: str) -> store.Candidate:
+    """A Byzantine candidate: every float leaf NaN, x100, sign-flipped or random noise."""
+    rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+    fns = {"nan": lambda x: np.full_like(x, np.nan), "scaled": lambda x: x * 100.0,
+           "sign_flip": lambda x: -x,
+           "noise": lambda x: rng.normal(0.0, 10.0, x.shape).astype(x.dtype)}
+    tree = jax.tree.map(lambda x: fns[kind](np.asarray(x)) if np.issubdtype(
+        np.asarray(x).dtype, np.floating) else np.asarray(x), read_tree(source.step_dir))
+    path = setup["root"] / f"bad_{kind}"
+    if path.exists():
+        return store.candidate_from_path(path, name=path.name)
+    return save_tree(path, source.step, tree, setup["config_gin"])
+
+
+def target_leaves(step_dir: Path) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(read_tree(step_dir)["target"])]
+
+
+def test_uniform_merge_is_the_mean_and_writes_report_and_plot(setup, tmp_path) -> None:
+    rep = merge(setup["honest"], MergeSpec("uniform"), tmp_path, setup["evaluator"])
+    merged = Path(rep["merged_checkpoint"])
+    assert merged == tmp_path / f"checkpoint_{LOCAL_STEPS}"
+    cands = [target_leaves(c.step_dir) for c in setup["honest"]]
+    assert not np.array_equal(cands[0][0], cands[1][0])  # the candidates really differ
+    for got, *xs in zip(target_leaves(merged), *cands, strict=True):
+        np.testing.assert_allclose(got, np.mean(xs, axis=0), rtol=1e-6, atol=1e-7)
+    assert checkpoints.verify_manifest(merged) == []
+    report = (tmp_path / REPORT).read_text()
+    assert all(c.name in report for c in setup["honest"])
+    assert rep["val_loss"]["merged"] < max(r["val_loss"] for r in rep["candidates"])
+    assert (tmp_path / "merge_metrics.png").stat().st_size > 1000
+
+
+def test_bit_flip_and_truncation_are_detected_and_excluded(setup, tmp_path) -> None:
+    flipped, cut = tmp_path / "flipped", tmp_path / "cut"
+    for dst in (flipped, cut):
+        shutil.copytree(setup["honest"][0].step_dir.parent, dst)
+    victim = max((p for p in (flipped / f"checkpoint_{LOCAL_STEPS}").rglob("*")
+                  if p.is_file() and "ocdbt" in str(p.parent)), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    cut_file = cut / victim.relative_to(flipped)
+    cut_file.write_bytes(cut_file.read_bytes()[:-7])
+    problems = checkpoints.verify_manifest(victim.parents[len(victim.relative_to(flipped).parts) - 2])
+    assert problems and "SHA-256 differs" in problems[0] and victim.name in problems[0]
+    cands = [store.candidate_from_path(flipped, "flipped"), store.candidate_from_path(cut, "cut"),
+             *setup["honest"][:3]]
+    with store.LeafReader() as reader:
+        gate = run_gate(cands, reader, None, GateConfig())
+    assert set(gate.rejected) == {"flipped", "cut"}
+    assert "corrupt" in gate.rejected["flipped"] and "truncated" in gate.rejected["cut"]
+
+
+def honest_loss(setup: dict) -> float:
+    """Validation loss of the honest-only uniform merge (computed once)."""
+    if "honest_loss" not in setup:
+        rep = merge(setup["honest"], MergeSpec("uniform"), setup["root"] / "honest_merge",
+                    setup["evaluator"], OFF)
+        setup["honest_loss"] = rep["val_loss"]["merged"]
+    return setup["honest_loss"]
+
+
+@pytest.mark.parametrize("kinds", [("nan", "scaled"), ("sign_flip", "noise")])
+def test_the_attacks_wreck_a_plain_average(setup, tmp_path, kinds) -> None:
+    bad = [corrupt(setup, setup["honest"][i], k) for i, k in enumerate(kinds)]
+    naive = merge([*setup["honest"], *bad], MergeSpec("uniform"), tmp_path, setup["evaluator"], OFF)
+    assert not naive["val_loss"]["merged"] <= 1.05 * honest_loss(setup), naive
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kinds", [("nan", "scaled"), ("sign_flip", "noise")])
+@pytest.mark.parametrize("method", ["median", "trimmed_mean", "multi_krum", "geometric_median"])
+def test_robust_methods_shrug_off_fewer_than_a_third_corrupted(setup, tmp_path, kinds,
+                                                               method) -> None:
+    honest = setup["honest"]
+    bad = [corrupt(setup, honest[i], k) for i, k in enumerate(kinds)]
+    assert len(bad) < (len(honest) + len(bad)) / 3
+    got = merge([*honest, *bad], MergeSpec(method, num_byzantine=len(bad)), tmp_path,
+                setup["evaluator"], OFF)
+    ref_loss = honest_loss(setup)
+    assert abs(got["val_loss"]["merged"] - ref_loss) <= 0.01 * ref_loss, (got["val_loss"], ref_loss)
+
+
+def test_gate_rejects_every_kind_of_corrupted_candidate(setup, tmp_path) -> None:
+    honest = setup["honest"]
+    kinds = ("nan", "scaled", "sign_flip", "noise")
+    bad = [corrupt(setup, honest[i], k) for i, k in enumerate(kinds)]
+    rep = merge([*honest, *bad], MergeSpec("uniform"), tmp_path, setup["evaluator"], GateConfig())
+    assert set(rep["rejections"]) == {c.name for c in bad}
+    assert "non-finite" in rep["rejections"]["bad_nan"]
+    assert "validation loss" in rep["rejections"]["bad_scaled"]
+
+
+def test_consensus_threshold_fails_the_merge_naming_the_rejects(setup, tmp_path) -> None:
+    honest = setup["honest"][:2]
+    bad = [corrupt(setup, setup["honest"][0], "nan"), corrupt(setup, setup["honest"][1], "noise")]
+    with pytest.raises(ConsensusError, match=r"(?s)consensus not reached: 2 of 4 .*bad_nan: non-finite"):
+        merge([*honest, *bad], MergeSpec("uniform"), tmp_path, setup["evaluator"],
+              GateConfig(min_pass_fraction=0.75))
+    assert not (tmp_path / REPORT).exists()
+
+
+def test_structurally_different_candidate_is_rejected(setup, tmp_path) -> None:
+    tree = read_tree(setup["honest"][0].step_dir)
+    del tree["target"]["decoder_norm"]
+    odd = save_tree(tmp_path / "odd", LOCAL_STEPS, tree, setup["config_gin"])
+    with store.LeafReader() as reader:
+        gate = run_gate([*setup["honest"][:3], odd], reader, None, GateConfig())
+    assert list(gate.rejected) == ["odd"]
+    assert "missing target.decoder_norm.scale" in gate.rejected["odd"]
+
+
+def test_krum_selects_an_honest_candidate(setup, tmp_path) -> None:
+    bad = [corrupt(setup, setup["honest"][0], "scaled"), corrupt(setup, setup["honest"][1], "noise")]
+    rep = merge([*setup["honest"], *bad], MergeSpec("krum", num_byzantine=2), tmp_path,
+                setup["evaluator"], OFF)
+    chosen = [r["name"] for r in rep["candidates"] if r["weight"]]
+    assert len(chosen) == 1 and chosen[0].startswith("honest")
+
+
+def test_greedy_soup_is_never_worse_than_the_best_single_candidate(setup, tmp_path) -> None:
+    cands = [*setup["honest"], corrupt(setup, setup["honest"][2], "noise")]
+    rep = merge(cands, MergeSpec("greedy_soup"), tmp_path, setup["evaluator"], OFF)
+    best = min(r["val_loss"] for r in rep["candidates"])
+    assert rep["val_loss"]["merged"] <= best + 1e-6
+    assert [r for r in rep["candidates"] if r["name"] == "bad_noise"][0]["weight"] == 0.0
+
+
+@pytest.mark.slow
+def test_learned_weights_beat_or_match_uniform_and_stay_on_the_simplex(setup, tmp_path) -> None:
+    uniform = merge(setup["honest"], MergeSpec("uniform"), tmp_path / "u", setup["evaluator"])
+    rep = merge(setup["honest"], MergeSpec("learned", learn_steps=3, learn_rate=0.2),
+                tmp_path / "l", setup["evaluator"])
+    history = rep["learned"]["loss_per_step"]
+    assert history[0] == pytest.approx(uniform["val_loss"]["merged"], rel=1e-5)
+    assert min(history[1:]) < history[0]  # the gradient through the real loss moves it
+    assert rep["val_loss"]["merged"] == pytest.approx(min(history), rel=1e-5)
+    w = np.asarray(rep["learned"]["layer_weights"])
+    np.testing.assert_allclose(w.sum(axis=0), 1.0, rtol=1e-6)
+    assert w.shape[1] > 1 and (w >= 0).all()
+
+
+@pytest.mark.slow
+def test_task_arithmetic_with_scale_one_over_n_is_the_mean(setup, tmp_path) -> None:
+    n = len(setup["honest"])
+    ta = merge(setup["honest"], MergeSpec("task_arithmetic", scale=1.0 / n), tmp_path / "ta",
+               setup["evaluator"], base=setup["base"])
+    uniform = merge(setup["honest"], MergeSpec("uniform"), tmp_path / "u", setup["evaluator"])
+    for a, b in zip(target_leaves(Path(ta["merged_checkpoint"])),
+                    target_leaves(Path(uniform["merged_checkpoint"])), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    ties = merge(setup["honest"], MergeSpec("ties", density=0.5, scale=1.0), tmp_path / "ties",
+                 setup["evaluator"], base=setup["base"])
+    base_loss = setup["evaluator"].loss(read_tree(setup["base"].step_dir)["target"])
+    assert ties["val_loss"]["merged"] < base_loss
+
+
+@pytest.mark.slow
+def test_fedavg_with_dp_reports_epsilon_and_learns(setup) -> None:
+    cfg = federated.FedConfig(num_clients=2, rounds=2, local_steps=2, clip_norm=0.05,
+                              noise_multiplier=0.02)
+    state, rep = federated.fedavg(setup["parts"], cfg, setup["evaluator"])
+    base_loss = setup["evaluator"].loss(read_tree(setup["base"].step_dir)["target"])
+    assert rep["rounds"][-1]["val_loss"] < base_loss
+    assert 0 < rep["epsilon"] < float("inf") and int(state.step) == 4
+    tighter = federated.epsilon(federated.FedConfig(rounds=2, clip_norm=1.0, noise_multiplier=0.5))
+    assert tighter < rep["epsilon"]  # more noise, less privacy loss
+    assert federated.epsilon(federated.FedConfig(clip_norm=None)) is None
