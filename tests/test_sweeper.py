@@ -268,6 +268,11 @@ def test_pruning_stops_bad_trials_early(tmp_path: Path, data_dir: Path) -> None:
     assert results["best_trial"] in (0, 1)
     assert results["trials"] == {"complete": 2, "pruned": 1, "fail": 0}
     assert Path(results["plots"]["intermediate_values"]).suffix == ".png"  # the eval curves
+    # The storage URL (it may hold a password) reaches the job through the environment.
+    job_dir = tmp_path / "sweep" / "0" / ".hydra"
+    for name in ("overrides.yaml", "config.yaml"):
+        text = (job_dir / name).read_text()
+        assert "CAPIBARA_SWEEP_STORAGE" in text and "optuna.db" not in text, name
 
 
 @pytest.mark.slow

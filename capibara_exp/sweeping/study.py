@@ -33,6 +33,7 @@ ORPHANED = "its process died"
 NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last trial
 RESULTS = "optimization_results.yaml"
 CACHE_KEY = "compilation_cache_dir"
+STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -268,10 +269,15 @@ def _ask(study: optuna.Study, space: space_lib.SearchSpace) -> optuna.Trial:
 
 
 def trial_override(url: str, settings: SweepSettings, number: int) -> str:
-    """The `sweep_trial` override through which a job reports to its trial (pruning)."""
+    """The `sweep_trial` override through which a job reports to its trial (pruning).
+
+    The storage URL may hold a password: the job reads it from this process's environment,
+    so run dirs (overrides.yaml, config.yaml) record only the variable's name."""
+    os.environ[STORAGE_ENV] = url
     # The pruner is not kept in the storage: the job rebuilds the same one from its name.
-    return (f"sweep_trial={{storage:'{url}',study_name:'{settings.study_name}',"
-            f"number:{number},metric:{settings.metrics[0]},pruner:{settings.pruner}}}")
+    return (f"sweep_trial={{storage:'${{oc.env:{STORAGE_ENV}}}',"
+            f"study_name:'{settings.study_name}',number:{number},"
+            f"metric:{settings.metrics[0]},pruner:{settings.pruner}}}")
 
 
 def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrides: list[str],
