@@ -38,21 +38,25 @@ def _text_to_targets(ex: dict) -> dict:
     return {"targets": ex["text"]}
 
 
+def split_to_length(
+    dataset: tf.data.Dataset, sequence_length: dict, output_features: dict
+) -> tf.data.Dataset:
+    """Cut tokenized targets longer than the feature length (less the EOS) into pieces.
 
-
-def split_to_length(dataset: tf.data.Dataset, sequence_length: dict, output_features: dict
-                    ) -> tf.data.Dataset:
-    """Cut tokenized targets longer than the feature length (less the EOS) into pieces."""
+    Every piece keeps the example's other features (e.g. a routing task's domain label).
+    """
     del output_features
     piece = sequence_length["targets"] - 1
 
     def pieces(ex: dict) -> tf.data.Dataset:
         tokens = ex["targets"]
+        others = {k: v for k, v in ex.items() if k != "targets"}
         pad = tf.math.floormod(-tf.size(tokens), piece)
         rows = tf.reshape(tf.pad(tokens, [[0, pad]], constant_values=-1), [-1, piece])
         ragged = tf.RaggedTensor.from_tensor(rows, padding=-1)
         return tf.data.Dataset.from_tensor_slices({"targets": ragged}).map(
-            lambda r: {"targets": tf.cast(r["targets"], tokens.dtype)})
+            lambda r: {**others, "targets": tf.cast(r["targets"], tokens.dtype)}
+        )
 
     return dataset.flat_map(pieces)
 

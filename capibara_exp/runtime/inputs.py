@@ -1,17 +1,29 @@
-"""Input pipeline: SeqIO task or mixture -> feature converter -> numpy batches."""
+"""Input pipeline: SeqIO task or mixture -> packing -> numpy batches.
+
+With `pack` and a kernel packer (capibara_exp/data/packing.py: 'first_fit', the default,
+or 'next_fit'), tf.data only reads, preprocesses and trims the examples, in chunks; the
+Cython kernel packs each chunk and numpy forms seqio's decoder features, on a producer
+thread ahead of the train step. 'seqio' (or `pack=False`) uses seqio's feature converter.
+"""
 
 from __future__ import annotations
 
 import importlib
+import queue
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import seqio
 import tensorflow as tf
 
+from capibara_exp.data import packing
 from capibara_exp.runtime.config import DatasetConfig
 
 INPUT_THREADS = 1
+# Examples per kernel call with first-fit (next-fit uses seqio's chunk, the row length).
+FIRST_FIT_CHUNK = 1024
+PREFETCH_BATCHES = 4
 
 
 def import_modules(cfg: DatasetConfig) -> None:
@@ -21,22 +33,110 @@ def import_modules(cfg: DatasetConfig) -> None:
         importlib.import_module(name)
 
 
-def batches(cfg: DatasetConfig, feature_converter_cls: type, seed: int | None,
-            skip_batches: int = 0, repeat: bool = True) -> Iterator[dict[str, np.ndarray]]:
-    """Batches of a data set, deterministic for a seed; `skip_batches` resumes mid-stream."""
-    import_modules(cfg)
-    ds = seqio.get_dataset(
-        cfg.mixture_or_task_name, cfg.task_feature_lengths,
-        feature_converter=feature_converter_cls(pack=cfg.pack),
-        dataset_split=cfg.split, use_cached=False, shuffle=cfg.shuffle,
-        num_epochs=None if repeat else 1, seed=seed,
-        trim_output_features=cfg.trim_output_features)
-    ds = ds.batch(cfg.batch_size, drop_remainder=True)
-    if skip_batches:
-        ds = ds.skip(skip_batches)
+def _options() -> tf.data.Options:
     # Input work runs beside the jitted step on the same cores: one thread is enough to
     # keep ahead of it, and more only oversubscribe the cores XLA is computing on.
     options = tf.data.Options()
     options.threading.private_threadpool_size = INPUT_THREADS
     options.threading.max_intra_op_parallelism = 1
-    return ds.with_options(options).prefetch(2).as_numpy_iterator()
+    return options
+
+
+def batches(
+    cfg: DatasetConfig,
+    feature_converter_cls: type,
+    seed: int | None,
+    skip_batches: int = 0,
+    repeat: bool = True,
+    packer: packing.Packer | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Batches of a data set, deterministic for a seed; `skip_batches` resumes mid-stream."""
+    import_modules(cfg)
+    packer = packer or packing.configured_packer()
+    if cfg.pack and packer.strategy != "seqio" and list(cfg.task_feature_lengths) == ["targets"]:
+        return _kernel_batches(cfg, packer, seed, skip_batches, repeat)
+    ds = seqio.get_dataset(
+        cfg.mixture_or_task_name,
+        cfg.task_feature_lengths,
+        feature_converter=feature_converter_cls(pack=cfg.pack),
+        dataset_split=cfg.split,
+        use_cached=False,
+        shuffle=cfg.shuffle,
+        num_epochs=None if repeat else 1,
+        seed=seed,
+        trim_output_features=cfg.trim_output_features,
+    )
+    ds = ds.batch(cfg.batch_size, drop_remainder=True)
+    if skip_batches:
+        ds = ds.skip(skip_batches)
+    return ds.with_options(_options()).prefetch(2).as_numpy_iterator()
+
+
+def example_chunks(
+    cfg: DatasetConfig, seed: int | None, repeat: bool, chunk: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(flat int32 tokens, lengths) of `chunk` consecutive trimmed examples at a time.
+
+    The examples are those seqio.get_dataset feeds its feature converter: same task
+    call, shuffle and seed, trimmed to the feature length.
+    """
+    length = cfg.task_feature_lengths["targets"]
+    task = seqio.get_mixture_or_task(cfg.mixture_or_task_name)
+    ds = task.get_dataset(
+        cfg.task_feature_lengths,
+        split=cfg.split,
+        use_cached=False,
+        shuffle=cfg.shuffle,
+        seed=seed,
+        num_epochs=None if repeat else 1,
+        trim_output_features=cfg.trim_output_features,
+    )
+    ds = ds.map(lambda ex: tf.cast(ex["targets"][:length], tf.int32)).ragged_batch(chunk)
+    for ragged in ds.with_options(_options()).prefetch(2):
+        yield ragged.flat_values.numpy(), ragged.row_lengths().numpy()
+
+
+def _packed_batches(
+    cfg: DatasetConfig, packer: packing.Packer, seed: int | None, repeat: bool
+) -> Iterator[dict[str, np.ndarray]]:
+    length = cfg.task_feature_lengths["targets"]
+    chunk = FIRST_FIT_CHUNK if packer.strategy == "first_fit" else length * max(1, 1024 // length)
+    pending: list[dict[str, np.ndarray]] = []
+    have = 0
+    for tokens, lengths in example_chunks(cfg, seed, repeat, chunk):
+        pending.append(packing.decoder_features(*packer.pack(tokens, lengths, length)))
+        have += len(pending[-1]["decoder_target_tokens"])
+        if have < cfg.batch_size:
+            continue
+        rows = {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
+        n_full = have // cfg.batch_size * cfg.batch_size
+        for start in range(0, n_full, cfg.batch_size):
+            yield {k: v[start : start + cfg.batch_size] for k, v in rows.items()}
+        pending = [{k: v[n_full:] for k, v in rows.items()}]
+        have -= n_full
+
+
+def _kernel_batches(
+    cfg: DatasetConfig, packer: packing.Packer, seed: int | None, skip_batches: int, repeat: bool
+) -> Iterator[dict[str, np.ndarray]]:
+    """Kernel-packed batches made on a producer thread, PREFETCH_BATCHES ahead."""
+    out: queue.Queue = queue.Queue(maxsize=PREFETCH_BATCHES)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for i, batch in enumerate(_packed_batches(cfg, packer, seed, repeat)):
+                if i >= skip_batches:
+                    out.put(batch)
+        except BaseException as err:  # re-raised in the consumer, where the run can report it
+            out.put(err)
+        out.put(done)
+
+    threading.Thread(target=produce, name="capibara-input", daemon=True).start()
+    while True:
+        item = out.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item

@@ -1,0 +1,49 @@
+"""Console script `capibara-exp-data`: build the E2B / ACE / MoE routing data (Hydra).
+
+Composes conf/data_build.yaml with the command line and calls `build.ensure_built`; the
+manifest path and the counts are printed. Examples:
+  capibara-exp-data                                  # build under ./data (if not built)
+  capibara-exp-data data_dir=/tmp/d force=true filters.min_quality=0.5
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from capibara_exp.cli import register_resolvers
+from capibara_exp.paths import CONF_DIR
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
+def _app(cfg: DictConfig) -> None:
+    from capibara_exp.data import build, processing
+
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    data_dir, force = settings.pop("data_dir"), settings.pop("force")
+    settings.pop("hydra", None)
+    try:
+        manifest = build.ensure_built(data_dir, build.build_config(settings), force=force)
+    except (build.BuildError, processing.NoExamplesError) as err:
+        print(f"capibara-exp-data: {err}", file=sys.stderr)
+        sys.exit(2)
+    summary = {
+        "manifest": str(build.dataset_dir(data_dir) / "manifest.json"),
+        "examples": manifest["processing"]["examples_out"],
+        "routing": manifest["routing"]["per_domain_split"],
+        "quarantine": manifest["quarantine"],
+        "secret_scrubbing_recall": manifest["secret_scrubbing_recall"],
+    }
+    print(json.dumps(summary, indent=2))
+
+
+def main() -> None:
+    register_resolvers()
+    _app()
+
+
+if __name__ == "__main__":
+    main()

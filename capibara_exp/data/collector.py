@@ -1,0 +1,147 @@
+"""The collector: execute real snippets and record them as E2B execution logs (JSONL).
+
+Offline by default: cells run in the local sandbox (capibara_exp/data/sandbox.py). With
+`use_e2b` and an E2B API key in the environment ($E2B_API_KEY, read by the SDK itself)
+they run in E2B's hosted sandbox through `e2b_code_interpreter.Sandbox.run_code`; the key
+is never read, logged or written by this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from e2b_code_interpreter.models import Execution, ExecutionError, Logs, Result
+
+from capibara_exp.data import sandbox, snippets
+from capibara_exp.data.e2b_records import ExecutionRecord, write_records
+
+SOURCES: dict[str, Callable[[], Iterator[snippets.Snippet]]] = {
+    "stdlib_doctests": snippets.stdlib_doctests,
+    "numpy_doctests": snippets.numpy_doctests,
+    "sqlite_statements": snippets.sqlite_statements,
+    "markdown_javascript": snippets.markdown_javascript,
+}
+CELLS_PER_PROCESS = 48
+
+
+def gather(sources: Iterable[str], max_per_source: int | None) -> list[snippets.Snippet]:
+    """The snippets of the named sources, in a fixed order (at most max_per_source each)."""
+    out = []
+    for name in sources:
+        if name not in SOURCES:
+            raise ValueError(f"collector source '{name}' is unknown (known: {', '.join(SOURCES)})")
+        if name == "markdown_javascript" and sandbox.node_binary() is None:
+            continue  # node is not installed: no JavaScript here
+        out += itertools.islice(SOURCES[name](), max_per_source)
+    return out
+
+
+def _record(snippet: snippets.Snippet, out: dict, meta: dict) -> ExecutionRecord:
+    err = out.get("error")
+    execution = Execution(
+        results=[Result(**r) for r in out.get("results", [])],
+        logs=Logs(stdout=out.get("stdout"), stderr=out.get("stderr")),
+        error=ExecutionError(**err) if err else None,
+        execution_count=out.get("execution_count"),
+    )
+    return ExecutionRecord(
+        id=snippet.id,
+        language=snippet.language,
+        code=snippet.code,
+        execution=execution,
+        duration_ms=float(out.get("duration_ms") or 0.0),
+        started_at=out.get("started_at") or "",
+        sandbox=meta,
+        source=snippet.source,
+        expected_output=snippet.expected_output,
+    )
+
+
+def _run_batch(batch: list[snippets.Snippet], limits: sandbox.Limits) -> list[ExecutionRecord]:
+    language = batch[0].language
+    meta = sandbox.sandbox_metadata(language)
+    outputs = sandbox.run_cells(language, [s.cell() for s in batch], limits)
+    return [_record(s, o, meta) for s, o in zip(batch, outputs, strict=True)]
+
+
+def _batches(items: list[snippets.Snippet]) -> list[list[snippets.Snippet]]:
+    """Consecutive snippets of one language and module share a process (imports once)."""
+    out: list[list[snippets.Snippet]] = []
+    for _, group in itertools.groupby(items, key=lambda s: (s.language, s.module, s.setup)):
+        group = list(group)
+        out += [group[i : i + CELLS_PER_PROCESS] for i in range(0, len(group), CELLS_PER_PROCESS)]
+    return out
+
+
+def collect_local(
+    items: list[snippets.Snippet], limits: sandbox.Limits, workers: int = 2
+) -> list[ExecutionRecord]:
+    """Execute every snippet in local sandboxes; records come back in snippet order."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        done = pool.map(lambda b: _run_batch(b, limits), _batches(items))
+        return [r for batch in done for r in batch]
+
+
+def collect_e2b(items: list[snippets.Snippet], timeout_s: float) -> list[ExecutionRecord]:
+    """Execute every snippet in a hosted E2B sandbox (needs $E2B_API_KEY; not run in tests)."""
+    from e2b_code_interpreter import Sandbox
+
+    records = []
+    with Sandbox.create() as sbx:
+        meta = {"engine": "e2b", "template": "code-interpreter", "sandbox_id": sbx.sandbox_id}
+        for s in items:
+            code = s.setup + "\n" + s.code if s.setup else s.code
+            execution = (
+                sbx.run_code(
+                    code,
+                    language=s.language if s.language != "sql" else "python",
+                    timeout=timeout_s,
+                )
+                if s.language != "sql"
+                else _e2b_sql(sbx, s)
+            )
+            records.append(
+                ExecutionRecord(
+                    id=s.id,
+                    language=s.language,
+                    code=s.code,
+                    execution=execution,
+                    duration_ms=0.0,
+                    started_at="",
+                    sandbox=meta,
+                    source=s.source,
+                    expected_output=s.expected_output,
+                )
+            )
+    return records
+
+
+def _e2b_sql(sbx, s: snippets.Snippet) -> Execution:
+    """E2B has no SQL kernel: run the statements through Python's sqlite3 in the sandbox."""
+    program = (
+        "import sqlite3\nconn = sqlite3.connect(':memory:')\n"
+        f"for _s in {s.code!r}.split(';'):\n"
+        "    _r = conn.execute(_s).fetchall() if _s.strip() else None\n_r"
+    )
+    return sbx.run_code(program)
+
+
+def collect(
+    path: Path,
+    sources: Iterable[str],
+    max_per_source: int | None,
+    limits: sandbox.Limits,
+    use_e2b: bool = False,
+) -> list[ExecutionRecord]:
+    """Execute the sources' snippets and write their execution log to `path` (JSONL)."""
+    items = gather(sources, max_per_source)
+    if use_e2b and os.environ.get("E2B_API_KEY"):
+        records = collect_e2b(items, limits.cell_timeout_s)
+    else:
+        records = collect_local(items, limits)
+    write_records(path, records)
+    return records

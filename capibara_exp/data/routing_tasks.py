@@ -1,0 +1,132 @@
+"""SeqIO tasks and mixtures of the MoE routing data, registered on import.
+
+One task per expert domain (`capibara_routing_<domain>`) and one per source
+(`capibara_e2b_logs`, `capibara_ace_playbooks`), each with train/validation/test splits
+and the features `targets` (text), `domain` and `difficulty`. Mixtures take their rates
+from conf/data/ (`mixture_rates` of every data config whose task module is this one).
+The data are built under $CAPIBARA_DATA_DIR on first read (capibara_exp/data/build.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import seqio
+import tensorflow as tf
+
+from capibara_exp.data import build, routing
+from capibara_exp.data.tasks import LM_OUTPUT_FEATURES, data_dir, split_to_length
+
+TASK_PREFIX = "capibara_routing_"
+SOURCE_TASKS = {"e2b_logs": "capibara_e2b_logs", "ace_playbooks": "capibara_ace_playbooks"}
+
+
+def domain_task(domain: str) -> str:
+    return TASK_PREFIX + domain
+
+
+def _rows(kind: str, name: str, split: str) -> list[dict]:
+    out = build.dataset_dir(data_dir())
+    build.ensure_built(data_dir())
+    with open(out / kind / name / f"{split}.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _dataset_fn(kind: str, name: str):
+    def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+        del shuffle_files, seed  # one file per split; seqio shuffles the examples
+        rows = _rows(kind, name, split)
+        return tf.data.Dataset.from_tensor_slices(
+            {
+                "targets": tf.constant([r["text"] for r in rows], tf.string),
+                "domain": tf.constant([r["domain"] for r in rows], tf.string),
+                "difficulty": tf.constant([r["difficulty"] for r in rows], tf.string),
+            }
+        )
+
+    return dataset_fn
+
+
+def _add_task(name: str, kind: str, source_name: str) -> None:
+    if name in seqio.TaskRegistry.names():
+        return
+    seqio.TaskRegistry.add(
+        name,
+        source=seqio.FunctionDataSource(_dataset_fn(kind, source_name), splits=routing.SPLITS),
+        preprocessors=[
+            seqio.preprocessors.tokenize,
+            split_to_length,
+            seqio.preprocessors.append_eos_after_trim,
+        ],
+        output_features=LM_OUTPUT_FEATURES,
+        metric_fns=[],
+    )
+
+
+def _check_rates(name: str, rates: dict) -> dict[str, float]:
+    unknown = set(rates) - set(routing.DOMAINS) - set(SOURCE_TASKS)
+    if unknown:
+        raise ValueError(
+            f"mixture {name}: mixture_rates has unknown key(s) {sorted(unknown)} "
+            f"(domains: {routing.DOMAINS}, sources: {tuple(SOURCE_TASKS)})"
+        )
+    bad = {k: v for k, v in rates.items() if not isinstance(v, (int, float)) or v < 0}
+    if bad or not any(float(v) > 0 for v in rates.values()):
+        raise ValueError(f"mixture {name}: mixture_rates must be >= 0 with one > 0, got {rates}")
+    return {k: float(v) for k, v in rates.items()}
+
+
+def _task_of(key: str) -> str:
+    return SOURCE_TASKS.get(key) or domain_task(key)
+
+
+def add_mixture(name: str, rates: dict) -> str:
+    """Register a mixture of routing tasks (keys: domains or sources) with these rates."""
+    rates = _check_rates(name, rates)
+    if name not in seqio.MixtureRegistry.names():
+        seqio.MixtureRegistry.add(name, [(_task_of(k), r) for k, r in rates.items() if r > 0])
+    return name
+
+
+def mixture_with_rates(name: str, rates: dict) -> str:
+    """The mixture `name` if it has these rates, else a registered variant that has them.
+
+    gin calls this (gin/data/routing.gin), so rates overridden on the command line
+    (data.mixture_rates.sql=2.0) reach the mixture in both engines.
+    """
+    rates = _check_rates(name, dict(rates))
+    if name in seqio.MixtureRegistry.names():
+        mixture = seqio.get_mixture_or_task(name)
+        current = {t.name: mixture.get_rate(t) for t in mixture.tasks}
+        if current == {_task_of(k): r for k, r in rates.items() if r > 0}:
+            return name
+    tag = hashlib.sha256(json.dumps(rates, sort_keys=True).encode()).hexdigest()[:8]
+    return add_mixture(f"{name}_{tag}", rates)
+
+
+def _shipped_mixtures() -> dict[str, dict]:
+    """name -> rates of every data config in conf/data/ whose task module is this one."""
+    import yaml
+
+    from capibara_exp.paths import CONF_DIR
+
+    out = {}
+    for path in sorted((CONF_DIR / "data").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text()) or {}
+        if cfg.get("mixture_or_task_module") == __name__ and "mixture_rates" in cfg:
+            out[cfg["mixture_or_task_name"]] = cfg["mixture_rates"]
+    return out
+
+
+def register() -> None:
+    """Register every task and the shipped mixtures (idempotent)."""
+    for domain in routing.DOMAINS:
+        _add_task(domain_task(domain), "routing", domain)
+    for source, task in SOURCE_TASKS.items():
+        _add_task(task, "sources", source)
+    for name, rates in _shipped_mixtures().items():
+        add_mixture(name, rates)
+
+
+register()

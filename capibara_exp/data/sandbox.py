@@ -1,0 +1,166 @@
+"""A local code sandbox: cells run in a subprocess with time and memory limits, no network.
+
+Each call starts one runner process (capibara_exp/data/runners/) in a fresh temporary
+working dir with a minimal environment. Limits: a per-cell wall-clock timeout (inside the
+runner), a CPU-seconds and address-space rlimit and a file-size rlimit for the process,
+and a wall-clock limit for the whole batch (outside it). The network is cut with a new
+network namespace (`unshare -rn`) where the kernel allows one; otherwise the Python
+runners get a socket module that refuses to connect and the metadata says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from capibara_exp.data.e2b_records import utf8_text
+
+RUNNERS = Path(__file__).parent / "runners"
+_RUNNER_FILES = {"python": "python_cells.py", "sql": "sql_cells.py", "javascript": "js_cells.js"}
+_NO_SOCKETS = (
+    "import socket\n"
+    "def _refuse(*a, **k):\n    raise OSError('network access is disabled in this sandbox')\n"
+    "socket.socket.connect = _refuse\nsocket.create_connection = _refuse\n"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits of one runner process."""
+
+    cell_timeout_s: float = 2.0
+    memory_mb: int = 2048
+    max_file_mb: int = 16
+
+
+@functools.cache
+def network_isolation() -> str:
+    """'namespace' when `unshare -rn` works here, else 'socket-blocked'."""
+    unshare = shutil.which("unshare")
+    if unshare:
+        done = subprocess.run([unshare, "-rn", "true"], capture_output=True, check=False)
+        if done.returncode == 0:
+            return "namespace"
+    return "socket-blocked"
+
+
+def node_binary() -> str | None:
+    return shutil.which("node")
+
+
+def _command(language: str, workdir: Path) -> list[str]:
+    runner = str(RUNNERS / _RUNNER_FILES[language])
+    if language == "javascript":
+        node = node_binary()
+        if node is None:
+            raise FileNotFoundError("node is not installed: JavaScript cells cannot run")
+        cmd = [node, "--max-old-space-size=256", runner]
+    else:
+        cmd = [sys.executable, "-s", runner]
+        if network_isolation() != "namespace":
+            (workdir / "sitecustomize.py").write_text(_NO_SOCKETS)
+    return (["unshare", "-rn"] if network_isolation() == "namespace" else []) + cmd
+
+
+def _limit(limits: Limits, cpu_s: int, language: str):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        size = limits.max_file_mb << 20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        if language != "javascript":  # V8 reserves far more address space than it uses
+            mem = limits.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+
+    return apply
+
+
+def _env(workdir: Path) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(workdir),
+        "LANG": "C.UTF-8",
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": str(workdir),
+        "TZ": "UTC",
+    }
+    node_path = [
+        p
+        for p in ("/usr/lib/node_modules", "/usr/lib/node_modules/npm/node_modules")
+        if Path(p).is_dir()
+    ]
+    if node_path:
+        env["NODE_PATH"] = ":".join(node_path)
+    return env
+
+
+def run_cells(language: str, cells: list[dict], limits: Limits = Limits()) -> list[dict]:
+    """Run cells ({"id", "code", "reset"}) in one sandbox; one output dict per cell, in order.
+
+    A cell whose output never came back (the process was killed for time or memory, or
+    crashed) gets an error named after the cause, so every cell has a record.
+    """
+    batch_s = limits.cell_timeout_s * len(cells) + 20
+    request = json.dumps({"cells": cells, "timeout_s": limits.cell_timeout_s})
+    with tempfile.TemporaryDirectory(prefix="capibara-sandbox-") as tmp:
+        workdir = Path(tmp)
+        cmd = _command(language, workdir)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env=_env(workdir),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_limit(limits, int(batch_s) + 1, language),
+        )
+        try:
+            stdout, stderr = proc.communicate(request.encode(), timeout=batch_s)
+            cause = f"the sandbox process exited with status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            cause = f"the sandbox batch exceeded {batch_s:.0f} s"
+    outputs = {}
+    for line in stdout.decode("utf-8", errors="replace").splitlines():
+        try:
+            out = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a cell that wrote to the protocol stream itself
+        if isinstance(out, dict) and "id" in out:
+            outputs[out["id"]] = utf8_text(out)
+    tail = stderr.decode("utf-8", errors="replace")[-2000:]
+    return [outputs.get(c["id"]) or _lost(c["id"], cause, tail) for c in cells]
+
+
+def _lost(cell_id: str, cause: str, stderr_tail: str) -> dict:
+    return {
+        "id": cell_id,
+        "results": [],
+        "stdout": [],
+        "stderr": [],
+        "error": {"name": "SandboxError", "value": cause, "traceback": stderr_tail},
+        "execution_count": None,
+        "duration_ms": 0.0,
+        "started_at": "",
+    }
+
+
+def sandbox_metadata(language: str) -> dict:
+    """What the records say about where they ran."""
+    return {
+        "engine": "local-subprocess",
+        "template": f"local-{language}",
+        "sandbox_id": f"local-{uuid.uuid4().hex[:12]}",
+        "network": network_isolation(),
+        "python": sys.version.split()[0],
+    }

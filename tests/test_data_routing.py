@@ -1,0 +1,252 @@
+"""Processing, playbooks, routing splits, the build and its manifest, SeqIO tasks and mixtures."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from capibara_exp import gin_bridge
+from capibara_exp.data import build, collector, playbooks, processing, routing, sandbox, snippets
+from capibara_exp.data.e2b_records import ExecutionRecord, parse_records, write_records
+from capibara_exp.data.quarantine import Quarantine
+from capibara_exp.paths import GIN_DIR
+from tests.conftest import compose_config
+
+# Real JavaScript for the javascript domain: node runs it in the sandbox like any snippet.
+_JS = [
+    "[3, 1, 2].sort((a, b) => a - b)",
+    "'a-b-c'.split('-').map(s => s.toUpperCase()).join('')",
+    "const m = new Map([[1, 'one']]);\nm.get(1)",
+    "Array.from({length: 4}, (_, i) => i * i)",
+    "Object.entries({x: 1, y: 2}).length",
+    "class P { constructor(x) { this.x = x } }\nnew P(2).x",
+    "null.f",
+    "undefinedFunction()",
+]
+
+
+def _pick(items: list[snippets.Snippet], pred, n: int) -> list[snippets.Snippet]:
+    return [s for s in items if pred(s)][:n]
+
+
+@pytest.fixture(scope="module")
+def log_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real execution log: chosen stdlib doctests, sqlite3 SQL and JS, run in the sandbox."""
+    stdlib = list(snippets.stdlib_doctests())
+    chosen = (
+        _pick(stdlib, lambda s: s.module == "difflib", 8)
+        + _pick(stdlib, lambda s: s.module == "statistics", 8)
+        + _pick(stdlib, lambda s: bool(routing._API.match(s.module)), 8)
+        + list(snippets.sqlite_statements())[:12]
+    )
+    if sandbox.node_binary():
+        chosen += [
+            snippets.Snippet(f"test-js:{i}", "javascript", c, "test-js") for i, c in enumerate(_JS)
+        ]
+    records = collector.collect_local(chosen, sandbox.Limits())
+    path = tmp_path_factory.mktemp("logs") / "e2b.jsonl"
+    write_records(path, records)
+    with open(path, "a", encoding="utf-8") as f:  # one duplicate and two bad lines
+        f.write(
+            path.read_text().splitlines()[0] + "\n" + '{"id": "x", "language": "python"\n' + "[1]\n"
+        )
+    return path
+
+
+def _cfg(log_file: Path, **overrides) -> dict:
+    return build.build_config(
+        {"collect": {"sources": []}, "inputs": {"logs": [str(log_file)]}, **overrides}
+    )
+
+
+@pytest.fixture(scope="module")
+def built(log_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    data_dir = tmp_path_factory.mktemp("data")
+    return data_dir, build.ensure_built(data_dir, _cfg(log_file))
+
+
+def test_manifest_has_counts_hashes_filters_and_quarantine(built: tuple[Path, dict]) -> None:
+    data_dir, manifest = built
+    assert manifest["quarantine"]["logs"] == {"truncated_json": 1, "wrong_type": 1}
+    assert manifest["processing"]["dropped_by_filter"]["dedup=True"] >= 1
+    assert manifest["config"]["filters"] == build.default_config()["filters"]
+    assert manifest["secret_scrubbing_recall"] >= 0.99
+    assert set(manifest["playbooks"]["per_domain"]) == set(routing.DOMAINS)
+    out = build.dataset_dir(data_dir)
+    for name, sha in manifest["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == sha, name
+    per = manifest["routing"]["per_domain_split"]
+    assert all(per.get(f"{d}/{s}", 0) > 0 for d in routing.DOMAINS for s in routing.SPLITS), per
+    q = (out / "quarantine" / "logs.quarantine.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["reason"] for line in q) == ["truncated_json", "wrong_type"]
+
+
+def test_build_is_deterministic_and_reused(
+    built: tuple[Path, dict], log_file: Path, tmp_path: Path
+) -> None:
+    _, first = built
+    again = build.build(tmp_path, _cfg(log_file))
+    assert again["files"] == first["files"]
+    assert build.ensure_built(built[0]) == first  # a run with no config reuses any build
+
+
+def test_split_is_a_function_of_the_id_alone() -> None:
+    ids = [f"example-{i}" for i in range(2000)]
+    splits = [routing.split_of(i, 10, 10) for i in ids]
+    assert [routing.split_of(i, 10, 10) for i in reversed(ids)] == splits[::-1]
+    share = {s: splits.count(s) / len(ids) for s in routing.SPLITS}
+    assert 0.75 < share["train"] < 0.85 and 0.07 < share["test"] < 0.13, share
+
+
+def test_zero_examples_names_the_filters(log_file: Path, tmp_path: Path) -> None:
+    cfg = _cfg(log_file, filters={"min_quality": 1.5})
+    with pytest.raises(processing.NoExamplesError, match=r"min_quality=1.5 dropped \d+"):
+        build.build(tmp_path, cfg)
+
+
+def test_dedup_uses_the_normalised_code(log_file: Path) -> None:
+    twin = next(parse_records(log_file, Quarantine()))
+    twin2 = ExecutionRecord(
+        **{**twin.__dict__, "id": "twin", "code": "  " + twin.code.replace("\n", "  # note\n")}
+    )
+    examples, stats = processing.process([twin, twin2], processing.Filters())
+    assert [e["id"] for e in examples] == [twin.id] and stats["dropped_by_filter"] == {
+        "dedup=True": 1
+    }
+
+
+def test_playbooks_consolidate_filter_top_k_and_quarantine(
+    built: tuple[Path, dict], tmp_path: Path
+) -> None:
+    out = build.dataset_dir(built[0])
+    derived = playbooks.parse(out / "playbooks" / "derived.jsonl", Quarantine(), 1 << 20)
+    assert derived and all(playbooks.validate(p) is None for p in derived)
+    extra = dict(derived[0], interactions=3, graduation_score=0.0)  # the same agent again: merged
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps(dict(derived[0], domain="cooking"))
+        + "\n"
+        + json.dumps({k: v for k, v in derived[0].items() if k != "entries"})
+        + "\n"
+    )
+    q = Quarantine()
+    assert playbooks.parse(bad, q, 1 << 20) == [] and q.summary() == {
+        "missing_field": 1,
+        "wrong_type": 1,
+    }
+    kept, stats = playbooks.consolidate(
+        derived + [extra], playbooks.PlaybookFilters(top_k_per_domain=1)
+    )
+    assert len({p["domain"] for p in kept}) == len(kept)  # at most one per domain
+    assert stats["agents"] == len(derived)  # the extra playbook merged into its agent
+    for domain in {p["domain"] for p in kept}:
+        best = max(
+            (
+                p
+                for p in derived
+                if p["domain"] == domain and p["agent_id"] != derived[0]["agent_id"]
+            ),
+            key=lambda p: p["graduation_score"],
+            default=None,
+        )
+        got = next(p for p in kept if p["domain"] == domain)
+        if best is not None:
+            assert got["graduation_score"] >= best["graduation_score"]
+
+
+@pytest.fixture(scope="module")
+def tasks(built: tuple[Path, dict]):
+    os.environ["CAPIBARA_DATA_DIR"] = str(built[0])
+    from capibara_exp.data import routing_tasks
+
+    return routing_tasks
+
+
+def test_each_domain_task_yields_its_domain(tasks) -> None:
+    import seqio
+
+    for domain in routing.DOMAINS:
+        ds = seqio.get_mixture_or_task(tasks.domain_task(domain)).get_dataset(
+            {"targets": 128}, split="validation", shuffle=False, num_epochs=1, use_cached=False
+        )
+        ex = next(ds.as_numpy_iterator())
+        assert ex["domain"].decode() == domain and ex["difficulty"].decode() in routing.DIFFICULTIES
+        assert ex["targets"].dtype == np.int32 and 0 < ex["targets"].size <= 128
+
+
+@pytest.mark.slow
+def test_mixture_gives_packed_batches_and_next_fit_is_seqio(tasks) -> None:
+    import seqio
+
+    from capibara_exp.data import packing
+    from capibara_exp.runtime import inputs
+    from capibara_exp.runtime.config import DatasetConfig
+
+    cfg = DatasetConfig(
+        mixture_or_task_name="capibara_e2b_routing",
+        task_feature_lengths={"targets": 64},
+        split="train",
+        batch_size=4,
+        shuffle=True,
+        seed=7,
+        pack=True,
+        module="capibara_exp.data.routing_tasks",
+    )
+
+    def take(strategy: str, n: int = 12) -> list[dict]:
+        it = inputs.batches(cfg, seqio.DecoderFeatureConverter, 7, packer=packing.Packer(strategy))
+        return [next(it) for _ in range(n)]
+
+    ours, theirs, first = take("next_fit"), take("seqio"), take("first_fit")
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.keys() == b.keys()
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    fill = lambda bs: np.mean([(b["decoder_segment_ids"] > 0).mean() for b in bs])  # noqa: E731
+    assert first[0]["decoder_target_tokens"].shape == (4, 64)
+    assert fill(first) >= fill(theirs)
+
+
+def test_mixture_rates_from_conf_and_overrides(tasks) -> None:
+    import seqio
+
+    mix = seqio.get_mixture_or_task("capibara_e2b_routing")
+    assert {t.name for t in mix.tasks} == {tasks.domain_task(d) for d in routing.DOMAINS}
+    shipped = {
+        d: mix.get_rate(seqio.get_mixture_or_task(tasks.domain_task(d))) for d in routing.DOMAINS
+    }
+    assert tasks.mixture_with_rates("capibara_e2b_routing", shipped) == "capibara_e2b_routing"
+    variant = tasks.mixture_with_rates("capibara_e2b_routing", {**shipped, "sql": 3.0})
+    assert variant != "capibara_e2b_routing"
+    assert (
+        seqio.get_mixture_or_task(variant).get_rate(
+            seqio.get_mixture_or_task(tasks.domain_task("sql"))
+        )
+        == 3.0
+    )
+    with pytest.raises(ValueError, match="unknown key.*cooking"):
+        tasks.mixture_with_rates("capibara_e2b_routing", {"cooking": 1.0})
+
+
+def test_routing_gin_binds_the_mixture_and_packer(tasks, tmp_path: Path) -> None:
+    import gin
+    from capibara_exp.data import packing
+    from capibara_exp.runtime import gin_utils
+
+    cfg = compose_config(
+        ["data=e2b_routing", "data.mixture_rates.sql=2.0", "data.packing=next_fit"]
+    )
+    gin_utils.parse(tmp_path / "config.gin", gin_bridge.render(cfg, "local", GIN_DIR))
+    name = gin.get_configurable(tasks.mixture_with_rates)()
+    assert name.startswith("capibara_e2b_routing_")  # the overridden rate made a variant
+    assert packing.configured_packer() == packing.Packer("next_fit")
+    t5x = gin_bridge.render(cfg, "t5x", GIN_DIR)
+    assert (
+        gin_bridge.render(cfg, "local", GIN_DIR).split(gin_bridge.BODY_MARKER)[1]
+        == t5x.split(gin_bridge.BODY_MARKER)[1]
+    )
