@@ -20,23 +20,8 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> float:
-    """Best observed f32 FLOP/s of an n x n x n jitted matmul."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    mm(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def compose(overrides: list[str], model_dir: Path):
@@ -87,8 +72,9 @@ def main() -> None:
 
     from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils, inputs
+    from capibara_exp.runtime.metrics import matmul_peak_flops
 
-    peak = matmul_peak_flops()
+    peak = matmul_peak_flops()  # the same measurement the train metrics' MFU uses
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         steps = args.steps
