@@ -26,8 +26,8 @@ from capibara_exp.nets.decoder import (
     _ACTIVATIONS,
     Decoder,
     DecoderConfig,
-    Dense,
     DecoderLayer,
+    Dense,
     constrain,
     param_with_axes,
     remat_layer,
@@ -110,7 +110,8 @@ def route(logits_GxSxE: jnp.ndarray, real_GxS: jnp.ndarray, k: int, capacity: in
     slot_GxSxKxE = jnp.swapaxes(slot_GxKSxE.reshape(g, k, s, num_experts), 1, 2)
     kept_GxSxKxE = chosen_GxSxKxE * (slot_GxSxKxE < capacity)
     # A slot index of -1 or >= capacity one-hots to zeros: dropped and unchosen alike.
-    slots_GxSxKxExC = jax.nn.one_hot(slot_GxSxKxE.astype(jnp.int32), capacity) * kept_GxSxKxE[..., None]
+    slot_GxSxKxE = slot_GxSxKxE.astype(jnp.int32)
+    slots_GxSxKxExC = jax.nn.one_hot(slot_GxSxKxE, capacity) * kept_GxSxKxE[..., None]
     dispatch = jnp.sum(slots_GxSxKxExC, axis=2)
     combine = jnp.sum(slots_GxSxKxExC * gates_GxSxK[:, :, :, None, None], axis=2)
     return Routing(dispatch, combine, jnp.sum(chosen_GxSxKxE, axis=2), probs_GxSxE, logits_GxSxE)
@@ -131,7 +132,7 @@ def routing_metrics(r: Routing, real_GxS: jnp.ndarray, k: int) -> dict[str, jnp.
         "auxiliary_loss": num_experts * jnp.sum(share_E * mean_prob_E),
         "router_z_loss": jnp.sum(jnp.square(log_z_GxS) * real) / tokens,
         "fraction_tokens_left_behind": 1.0 - kept / (k * tokens),
-        "expert_usage": kept / (g * e * c),  # share of all expert slots filled
+        "expert_usage": kept / (g * e * c),  # share of all slots filled
         "router_confidence": jnp.sum(r.combine_GxSxExC) / tokens,
         "expert_load": share_E / k,
     }

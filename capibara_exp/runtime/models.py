@@ -53,9 +53,10 @@ class DecoderOnlyModel:
     ):
         reject_unsupported("models.DecoderOnlyModel", decode_fn=decode_fn,
                            feature_converter_cls=feature_converter_cls)
-        if loss_normalizing_factor is not None and not isinstance(loss_normalizing_factor, (int, float)):
-            raise ValueError("models.DecoderOnlyModel.loss_normalizing_factor: the local engine takes "
-                             f"a number or None, got {loss_normalizing_factor!r}")
+        factor = loss_normalizing_factor
+        if factor is not None and not isinstance(factor, (int, float)):
+            raise ValueError("models.DecoderOnlyModel.loss_normalizing_factor: the local engine "
+                             f"takes a number or None, got {factor!r}")
         self.module = module
         self.vocabulary = vocabulary
         self.optimizer_def = optimizer_def

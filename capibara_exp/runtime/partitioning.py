@@ -29,7 +29,8 @@ def standard_logical_axis_rules(
 ) -> tuple[tuple[str, str | None], ...]:
     """Logical axis name -> mesh axis, as T5X's standard rules (1D: model-parallel weights)."""
     if activation_partitioning_dims not in (1, 2) or parameter_partitioning_dims not in (1, 2):
-        raise ValueError("partitioning.standard_logical_axis_rules: partitioning dims must be 1 or 2, "
+        raise ValueError("partitioning.standard_logical_axis_rules: partitioning dims must be "
+                         "1 or 2, "
                          f"got activation={activation_partitioning_dims}, "
                          f"parameter={parameter_partitioning_dims}")
     rules: list[tuple[str, str | None]] = list(additional_rules or [])

@@ -1,0 +1,162 @@
+"""MoE vs dense step time and FLOP utilisation at equal active parameters; 8 devices vs 1.
+
+Dense: a decoder with MLP width F in every layer. MoE: the same decoder with every second
+MLP replaced by E experts of width F and top-1 routing, so each token meets the same
+parameters (equal active parameters) while the MoE holds E times the MLP weights there.
+Each model trains through the local runtime's Trainer and partitioner:
+  - on 1 device, and
+  - on 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8):
+    dense on an 8 x 1 data x model mesh, MoE on 2 x 4 x 1 data x expert x model.
+Each device count runs in its own subprocess (XLA_FLAGS is read once at JAX start-up); the
+parent prints both and the ratios. Utilisation = XLA-counted FLOPs per step / step time /
+this CPU's f32 matmul peak measured in the same process. On one CPU, 8 simulated devices
+share the same cores, so "8 vs 1" measures partitioning overhead, not a speed-up.
+
+    python bench/moe.py [--steps 15] [--batch 16] [--length 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def matmul_peak_flops(n: int = 1024, repeats: int = 8) -> float:
+    """Best observed f32 FLOP/s of an n x n x n jitted matmul."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def build(kind: str, devices: int):
+    """(model, partitioner, trainer class, extra trainer args) for 'dense' or 'moe'."""
+    import optax
+    import seqio
+
+    from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
+    from capibara_exp.runtime import models, moe, optimizers, partitioning
+    from capibara_exp.runtime.trainer import Trainer
+
+    cfg = DecoderConfig(vocab_size=260, emb_dim=128, num_heads=4, head_dim=32, num_layers=4,
+                        mlp_dim=512)
+    opt, vocab = optimizers.OptaxWrapper(optax.adam(1e-3)), seqio.ByteVocabulary()
+    if kind == "dense":
+        return models.DecoderOnlyModel(Decoder(cfg), vocab, opt), partitioning.PjitPartitioner(), \
+            Trainer, {}
+    net = MoeDecoder(cfg, MoeConfig(num_experts=4, num_selected_experts=1, capacity_factor=1.25))
+    expert_parts = 4 if devices >= 4 else 1
+    return (moe.MoeDecoderOnlyModel(net, vocab, opt, aux_loss_factor=0.01),
+            moe.MoePjitPartitioner(num_expert_partitions=expert_parts), moe.MoeTrainer,
+            {"num_expert_partitions": expert_parts})
+
+
+def measure(kind: str, devices: int, steps: int, batch_size: int, length: int) -> dict:
+    """Median step seconds, XLA FLOPs per step and parameter counts of one model."""
+    import jax
+    import numpy as np
+
+    from capibara_exp.runtime.train_script import initial_state
+
+    model, partitioner, trainer_cls, extra = build(kind, devices)
+    state, axes = initial_state(model, jax.random.PRNGKey(0), batch_size, length)
+    trainer = trainer_cls(model=model, train_state=state, partitioner=partitioner, eval_names=[],
+                          summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(1),
+                          learning_rate_fn=lambda step: 1e-3, num_microbatches=None, **extra)
+    trainer.check_batch_size(batch_size)
+    tokens = np.random.default_rng(0).integers(3, 259, (batch_size, length)).astype(np.int32)
+    batch = jax.device_put({"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
+                            "decoder_loss_weights": np.ones_like(tokens, np.float32)},
+                           partitioner.data_sharding())
+    state = jax.device_put(state, trainer.state_shardings)
+    with partitioner.activation_context():
+        cost = trainer._train_step.lower(state, batch).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    for _ in range(2):  # compile and warm up
+        state, metrics = trainer.train_step(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    params = state.params
+    total = sum(x.size for x in jax.tree.leaves(params))
+    experts = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if "expert" in jax.tree_util.keystr(p))
+    num_experts = 4 if kind == "moe" else 1
+    return {"step_s": statistics.median(times), "xla_flops": float(cost.get("flops", 0.0)),
+            "params": total, "active_params": total - experts + experts // num_experts,
+            "tokens_per_s": batch_size * length / statistics.median(times)}
+
+
+def child(args: argparse.Namespace) -> None:
+    import jax
+
+    out = {"devices": jax.device_count(), "peak_flops": matmul_peak_flops()}
+    for kind in ("dense", "moe"):
+        out[kind] = measure(kind, jax.device_count(), args.steps, args.batch, args.length)
+    print(json.dumps(out))
+
+
+def run_child(devices: int, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--batch",
+           str(args.batch), "--length", str(args.length)]
+    out = subprocess.run(cmd, env=env, text=True, capture_output=True, check=False)
+    if out.returncode:
+        sys.exit(f"bench/moe.py: the {devices}-device run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(runs: dict[int, dict]) -> None:
+    print(f"{'devices':>7} {'model':>5} {'params':>9} {'active':>9} {'step ms':>8} "
+          f"{'tok/s':>8} {'XLA GFLOP':>9} {'util':>6}")
+    for devices, r in runs.items():
+        for kind in ("dense", "moe"):
+            m = r[kind]
+            util = m["xla_flops"] * devices / m["step_s"] / r["peak_flops"]
+            print(f"{devices:>7} {kind:>5} {m['params']:>9,} {m['active_params']:>9,} "
+                  f"{m['step_s'] * 1e3:>8.1f} {m['tokens_per_s']:>8.0f} "
+                  f"{m['xla_flops'] * devices / 1e9:>9.2f} {util:>6.1%}")
+    print("peak f32 matmul: " + ", ".join(f"{d} dev {r['peak_flops'] / 1e9:.0f} GFLOP/s"
+                                         for d, r in runs.items()))
+    one, eight = runs[1], runs[8]
+    print(f"MoE / dense step time, 1 device:  {one['moe']['step_s'] / one['dense']['step_s']:.2f}")
+    print(f"MoE / dense step time, 8 devices: "
+          f"{eight['moe']['step_s'] / eight['dense']['step_s']:.2f}")
+    for kind in ("dense", "moe"):
+        print(f"{kind} 8 devices / 1 device step time: "
+              f"{eight[kind]['step_s'] / one[kind]['step_s']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    report({devices: run_child(devices, args) for devices in (1, 8)})
+
+
+if __name__ == "__main__":
+    main()
