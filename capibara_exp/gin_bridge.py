@@ -35,6 +35,9 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from t5x import partitioning",
         "from t5x import trainer",
         "from t5x import utils",
+        "from t5x.contrib.moe import models as moe_models",
+        "from t5x.contrib.moe import partitioning as moe_partitioning",
+        "from t5x.contrib.moe import trainer as moe_trainer",
     ),
     "local": (
         "from capibara_exp.runtime import train_script",
@@ -44,6 +47,10 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from capibara_exp.runtime import partitioning",
         "from capibara_exp.runtime import trainer",
         "from capibara_exp.runtime import config as utils",
+        # one module holds t5x.contrib.moe's model, partitioner and trainer
+        "from capibara_exp.runtime import moe as moe_models",
+        "from capibara_exp.runtime import moe as moe_partitioning",
+        "from capibara_exp.runtime import moe as moe_trainer",
     ),
 }
 COMMON_IMPORTS = (
