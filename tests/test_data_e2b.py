@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -14,12 +15,18 @@ from capibara_exp.data.e2b_records import parse_records, write_records
 needs_node = pytest.mark.skipif(sandbox.node_binary() is None, reason="node is not installed here")
 
 
+@functools.cache
+def _all_stdlib() -> tuple[snippets.Snippet, ...]:
+    return tuple(snippets.stdlib_doctests())
+
+
 def _stdlib(module: str, n: int = 2) -> list[snippets.Snippet]:
-    found = [s for s in snippets.stdlib_doctests() if s.module == module]
+    found = [s for s in _all_stdlib() if s.module == module]
     assert found, f"no doctests found in stdlib module {module}"
     return found[:n]
 
 
+@pytest.mark.slow
 def test_collector_runs_real_doctests_and_sql(tmp_path: Path) -> None:
     doctests = _stdlib("difflib", 1) + _stdlib("json", 1)
     sql = list(snippets.sqlite_statements())[:3]

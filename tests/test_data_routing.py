@@ -250,3 +250,46 @@ def test_routing_gin_binds_the_mixture_and_packer(tasks, tmp_path: Path) -> None
         gin_bridge.render(cfg, "local", GIN_DIR).split(gin_bridge.BODY_MARKER)[1]
         == t5x.split(gin_bridge.BODY_MARKER)[1]
     )
+
+
+def test_packer_setting_is_checked() -> None:
+    from capibara_exp.data import packing
+
+    with pytest.raises(ValueError, match=r"data_packing.packer.strategy: 'best_fit' is not one of"):
+        packing.packer("best_fit")
+
+
+@pytest.mark.entry
+def test_capibara_exp_data_builds_with_overrides(log_file: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    args = [
+        sys.executable,
+        "-c",
+        "from capibara_exp.data.cli import main; main()",
+        f"data_dir={tmp_path}",
+        "collect.sources=[]",
+        f"inputs.logs=[{log_file}]",
+        "playbooks.top_k_per_domain=2",
+    ]
+    done = subprocess.run(args, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((build.dataset_dir(tmp_path) / "manifest.json").read_text())
+    assert manifest["config"]["playbooks"]["top_k_per_domain"] == 2
+    assert all(v["playbooks"] <= 2 for v in manifest["playbooks"]["per_domain"].values())
+    bad = subprocess.run(
+        args[:3]
+        + [
+            f"data_dir={tmp_path}",
+            "force=true",
+            "collect.sources=[]",
+            f"inputs.logs=[{log_file}]",
+            "filters.min_quality=2.0",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "min_quality=2.0 dropped" in bad.stderr

@@ -63,7 +63,9 @@ def _command(language: str, workdir: Path) -> list[str]:
         node = node_binary()
         if node is None:
             raise FileNotFoundError("node is not installed: JavaScript cells cannot run")
-        cmd = [node, "--max-old-space-size=256", runner]
+        # vm modules: README examples with import/export run as ES modules.
+        cmd = [node, "--max-old-space-size=256", "--experimental-vm-modules", "--no-warnings"]
+        cmd.append(runner)
     else:
         cmd = [sys.executable, "-s", runner]
         if network_isolation() != "namespace":
