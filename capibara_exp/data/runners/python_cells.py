@@ -7,17 +7,15 @@ cell's last expression is its main result, as in E2B's `Execution.results`.
 
 import ast
 import contextlib
-import datetime
 import importlib
 import io
 import json
 import os
 import signal
 import sys
-import time
 import traceback
 
-MAX_TEXT = 20000
+from cell_protocol import MAX_TEXT, CellClock, emit
 
 
 def _on_alarm(signum, frame):
@@ -77,8 +75,7 @@ def main():
         count += 1
         out, err = io.StringIO(), io.StringIO()
         results, error = [], None
-        started = datetime.datetime.now(datetime.UTC).isoformat()
-        t0 = time.perf_counter()
+        clock = CellClock()
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -87,22 +84,7 @@ def main():
             error = _error(exc)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        proto.write(
-            json.dumps(
-                {
-                    "id": cell["id"],
-                    "results": results,
-                    "stdout": out.getvalue()[:MAX_TEXT].splitlines(True),
-                    "stderr": err.getvalue()[:MAX_TEXT].splitlines(True),
-                    "error": error,
-                    "execution_count": count,
-                    "duration_ms": (time.perf_counter() - t0) * 1e3,
-                    "started_at": started,
-                }
-            )
-            + "\n"
-        )
-        proto.flush()
+        emit(proto, cell["id"], clock, count, results, out.getvalue(), err.getvalue(), error)
 
 
 if __name__ == "__main__":

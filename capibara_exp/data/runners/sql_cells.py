@@ -5,7 +5,6 @@ fresh database file in the working dir; each statement's rows are a result, the 
 statement's rows are the main result.
 """
 
-import datetime
 import json
 import os
 import sqlite3
@@ -13,8 +12,9 @@ import sys
 import time
 import traceback
 
+from cell_protocol import MAX_TEXT, CellClock, emit
+
 MAX_ROWS = 20
-MAX_TEXT = 20000
 
 
 def _statements(script):
@@ -61,32 +61,16 @@ def main():
             conn, count = sqlite3.connect(os.path.join(os.getcwd(), f"db{n_db}.sqlite3")), 0
         count += 1
         results, error = [], None
-        started = datetime.datetime.now(datetime.UTC).isoformat()
-        t0 = time.perf_counter()
+        clock = CellClock()
         try:
-            results = _run(conn, cell["code"], t0 + timeout_s)
+            results = _run(conn, cell["code"], time.perf_counter() + timeout_s)
         except Exception as exc:
             error = {
                 "name": type(exc).__name__,
                 "value": str(exc)[:MAX_TEXT],
                 "traceback": "".join(traceback.format_exception_only(type(exc), exc)),
             }
-        proto.write(
-            json.dumps(
-                {
-                    "id": cell["id"],
-                    "results": results,
-                    "stdout": [],
-                    "stderr": [],
-                    "error": error,
-                    "execution_count": count,
-                    "duration_ms": (time.perf_counter() - t0) * 1e3,
-                    "started_at": started,
-                }
-            )
-            + "\n"
-        )
-        proto.flush()
+        emit(proto, cell["id"], clock, count, results, "", "", error)
 
 
 if __name__ == "__main__":
