@@ -318,3 +318,18 @@ def test_grid_runs_every_point_once_then_stops(tmp_path: Path) -> None:
         settings(n_trials=10, sampler="grid", params={"x": "choice(1, 2, 3)"}), job, tmp_path
     )
     assert sorted(seen) == ["x=1", "x=2", "x=3"] and len(s.trials) == 3
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "gp", "nsgaii"])
+def test_every_sampler_drives_a_study(tmp_path: Path, sampler: str) -> None:
+    """Each sampler runs a few real trials, or (gp without PyTorch) says what to install."""
+    import importlib.util
+
+    run = lambda: study.run(settings(n_trials=4, sampler=sampler), quadratic, tmp_path)  # noqa: E731
+    if sampler == "gp" and importlib.util.find_spec("torch") is None:
+        with pytest.raises(ConfigError, match=r"sampler=gp needs torch.*capibara-exp\[gp\]"):
+            run()
+        return
+    s = run()
+    assert [t.state for t in s.trials] == [TrialState.COMPLETE] * 4
+    assert len({t.params["x"] for t in s.trials}) == 4

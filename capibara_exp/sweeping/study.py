@@ -9,6 +9,7 @@ start.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import os
@@ -34,6 +35,9 @@ NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last
 RESULTS = "optimization_results.yaml"
 CACHE_KEY = "compilation_cache_dir"
 STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
+# Samplers whose Optuna implementation imports a package on first use: (module, how to get it)
+SAMPLER_PACKAGES = {"cmaes": ("cmaes", "pip install cmaes"),
+                    "gp": ("torch", "pip install 'capibara-exp[gp]' (PyTorch, CPU build is enough)")}
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -106,6 +110,10 @@ def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
     if multi_objective and name in ("cmaes",):
         raise ConfigError(f"hydra.sweeper.sampler: '{name}' is single-objective; use nsgaii, tpe "
                           "or random for several directions")
+    needs = SAMPLER_PACKAGES.get(name)
+    if needs and importlib.util.find_spec(needs[0]) is None:
+        raise ConfigError(f"hydra.sweeper.sampler={name} needs {needs[0]}, which is not "
+                          f"installed: {needs[1]}")
     return samplers[name]()
 
 
