@@ -37,7 +37,7 @@ CACHE_KEY = "compilation_cache_dir"
 STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
 # Samplers whose Optuna implementation imports a package on first use: (module, how to get it)
 SAMPLER_PACKAGES = {"cmaes": ("cmaes", "pip install cmaes"),
-                    "gp": ("torch", "pip install 'capibara-exp[gp]' (PyTorch, CPU build is enough)")}
+                    "gp": ("torch", "pip install 'capibara-exp[gp]' (PyTorch; CPU build will do)")}
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
