@@ -77,6 +77,17 @@ def test_bf16_computes_in_bf16_and_keeps_f32_parameters() -> None:
     assert bf16_loss != f32_loss and abs(bf16_loss / f32_loss - 1) < 0.02
 
 
+def test_global_norm_clipping_bounds_the_update_and_the_raw_norm_is_reported() -> None:
+    tx = optimizers.chain([optax.clip_by_global_norm(1e-3), optax.sgd(1.0)])
+    model = models.DecoderOnlyModel(Decoder(DecoderConfig(**SIZES)), seqio.ByteVocabulary(), tx)
+    trainer, state = make_trainer(model)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = trainer.train_step(state, batch())
+    step_norm = optax.tree.norm(jax.tree.map(lambda a, b: np.asarray(a) - b, state.params, before))
+    assert float(metrics["grad_norm"]) > 1e-2  # the gradient's norm before clipping
+    np.testing.assert_allclose(step_norm, 1e-3, rtol=1e-4)
+
+
 # ---- schedules ----------------------------------------------------------------------------
 
 def test_warmup_cosine_schedule_matches_the_hand_formula() -> None:
@@ -202,7 +213,7 @@ def test_local_only_features_are_refused_for_t5x_and_t5x_features_render_for_bot
     cfg = compose_config(["ema=default"])
     with pytest.raises(gin_bridge.ConfigError, match=r"ema: the local engine's own feature"):
         gin_bridge.render(cfg, "t5x", GIN_DIR)
-    assert "trainer.Trainer.ema_decay = %EMA_DECAY" in gin_bridge.render(cfg, "local", GIN_DIR)
+    assert "train_script.train.ema_decay = %EMA_DECAY" in gin_bridge.render(cfg, "local", GIN_DIR)
     cfg = compose_config(["early_stopping=default"])
     local, t5x = (gin_bridge.render(cfg, e, GIN_DIR) for e in ("local", "t5x"))
     assert gin_bridge.body_of(local) == gin_bridge.body_of(t5x)

@@ -113,11 +113,16 @@ def train(
     verify_matching_vocabs_fn: Any = None,
     gc_period: int = 0,
     curriculum: Sequence[Mapping[str, Any]] | None = None,
+    ema_decay: float | None = None,
+    skip_nonfinite_updates: bool = False,
+    max_consecutive_skips: int | None = None,
 ) -> tuple[int, TrainState]:
     """Train `model` for `total_steps`, resuming from the latest checkpoint in model_dir.
 
-    `curriculum` (the local engine's own parameter) replaces the train task by stages:
-    see runtime/curriculum.py.
+    The last four parameters are the local engine's own (T5X has none of them):
+    `curriculum` replaces the train task by stages (runtime/curriculum.py); `ema_decay`,
+    `skip_nonfinite_updates` and `max_consecutive_skips` go to the trainer class, which
+    must accept them (trainer.Trainer does), so a trainer without them fails loudly.
     """
     reject_unsupported("train_script.train", infer_eval_dataset_cfg=infer_eval_dataset_cfg,
                        use_hardware_rng=use_hardware_rng,
@@ -141,9 +146,12 @@ def train(
     length = max(train_dataset_cfg.task_feature_lengths.values())
     batch_size = train_dataset_cfg.batch_size
     state, state_axes = initial_state(model, init_rng, batch_size, length)
+    features = {k: v for k, v in (("ema_decay", ema_decay),
+                                   ("skip_nonfinite_updates", skip_nonfinite_updates),
+                                   ("max_consecutive_skips", max_consecutive_skips)) if v}
     trainer = trainer_cls(model=model, train_state=state, partitioner=partitioner,
                           eval_names=[], summary_dir=model_dir, train_state_axes=state_axes,
-                          rng=dropout_rng)
+                          rng=dropout_rng, **features)
     trainer.check_batch_size(batch_size)
     state = trainer.prepare_state(state)
 
