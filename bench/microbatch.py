@@ -25,11 +25,11 @@ SETTINGS = (1, 2, 4)
 
 def build(overrides: list[str], model_dir: Path):
     """(model, train data config, learning-rate fn) from the composed config's gin."""
-    import gin
+    from step_time import compose  # sibling script: bench/ is the script dir on sys.path
 
+    import gin
     from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils
-    from step_time import compose  # sibling script: bench/ is the script dir on sys.path
 
     path = experiment.write_gin(compose(overrides, model_dir), model_dir, {})
     gin_utils.parse(path)
@@ -75,7 +75,7 @@ def main() -> None:
         state, _ = time_steps(trainer, trainer.prepare_state(state), batch, 2)  # compile, warm
         runs[n] = [trainer, state, []]
     for _ in range(args.rounds):  # interleaved: each round times every setting once
-        for n, run in runs.items():
+        for run in runs.values():
             run[1], seconds = time_steps(run[0], run[1], batch, args.steps)
             run[2].append(seconds)
 

@@ -69,7 +69,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import gin
-
     from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils, inputs
     from capibara_exp.runtime.metrics import matmul_peak_flops

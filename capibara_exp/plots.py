@@ -33,7 +33,8 @@ def render(run_dir: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_records(run_dir)
-    keys = [k for k in PANELS if series(records, "train", k)[0] or series(records, "train_eval", k)[0]]
+    keys = [k for k in PANELS
+            if series(records, "train", k)[0] or series(records, "train_eval", k)[0]]
     if not keys:
         raise SystemExit(f"capibara-exp-plot: {run_dir}/metrics.jsonl has none of {PANELS}")
     cols = min(len(keys), 3)

@@ -59,7 +59,8 @@ def test_stages_are_checked_and_located() -> None:
     stages = parse_stages([{"mixture_or_task_name": "a", "steps": 3},
                            {"mixture_or_task_name": "b", "steps": 4, "module": "m"}], 7)
     assert stages == [Stage("a", 3), Stage("b", 4, "m")]
-    assert [stage_at(stages, s) for s in (0, 2, 3, 5, 6)] == [(0, 0), (0, 2), (1, 0), (1, 2), (1, 3)]
+    assert [stage_at(stages, s) for s in (0, 2, 3, 5, 6)] == [
+        (0, 0), (0, 2), (1, 0), (1, 2), (1, 3)]
     with pytest.raises(ValueError, match=r"add up to 7 \(3 \+ 4\), but train_script.train."
                                          r"total_steps=8"):
         parse_stages([{"mixture_or_task_name": "a", "steps": 3},

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gin
 import jax
 import numpy as np
 import pytest
 from flax import traverse_util
 
+import gin
 from capibara_exp.runtime import lora
 from tests.test_features import make_model
 from tests.test_train import leaves_equal, read_checkpoint, train
@@ -66,7 +66,8 @@ def test_lora_trains_only_adapters_and_merges_into_a_normal_checkpoint(tmp_path:
 
 
 def test_target_patterns_that_match_nothing_name_the_module_paths(tmp_path: Path) -> None:
-    model = lora.LoraModel(base=make_model(), base_checkpoint=str(tmp_path), target_modules=["attn.*"])
+    model = lora.LoraModel(base=make_model(), base_checkpoint=str(tmp_path),
+                           target_modules=["attn.*"])
     params = {"layers_0": {"mlp": {"wo": {"kernel": np.zeros((4, 2))}}}}
     with pytest.raises(ValueError, match=r"match no 2-D kernel; module paths are: "
                                          r"\['layers_0/mlp/wo'\]"):

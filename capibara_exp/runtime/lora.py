@@ -60,7 +60,8 @@ def merge(base_params: Any, adapters: Any, scale: float) -> Any:
     flat = traverse_util.flatten_dict(base_params, sep="/")
     for path, ab in traverse_util.flatten_dict(adapters, sep="/", is_leaf=_is_adapter).items():
         kernel = flat[f"{path}/kernel"]
-        delta = scale * jnp.asarray(ab["lora_a"], jnp.float32) @ jnp.asarray(ab["lora_b"], jnp.float32)
+        a, b = (jnp.asarray(ab[k], jnp.float32) for k in ("lora_a", "lora_b"))
+        delta = scale * a @ b
         flat[f"{path}/kernel"] = (jnp.asarray(kernel, jnp.float32) + delta).astype(kernel.dtype)
     return traverse_util.unflatten_dict(flat, sep="/")
 
@@ -167,7 +168,6 @@ class LoraModel:
 def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Merge the latest adapters of a LoRA run (its config.gin names the base) into its base."""
     import gin
-
     from capibara_exp.runtime import gin_utils
 
     gin_utils.parse(Path(run_dir) / "config.gin")

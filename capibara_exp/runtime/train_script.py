@@ -24,8 +24,13 @@ from capibara_exp.kernels import segment_stats
 from capibara_exp.runtime import checkpoints, inputs
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.config import CheckpointConfig, DatasetConfig, reject_unsupported
-from capibara_exp.runtime.metrics import (MetricsWriter, Progress, model_flops_per_token,
-                                          run_peak_flops, summarize)
+from capibara_exp.runtime.metrics import (
+    MetricsWriter,
+    Progress,
+    model_flops_per_token,
+    run_peak_flops,
+    summarize,
+)
 from capibara_exp.runtime.trainer import BaseAction, Trainer, TrainState
 
 

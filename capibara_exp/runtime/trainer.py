@@ -54,8 +54,8 @@ class TrainState:
         opt_state = hyperparams.rejoin(self.opt_state, serialization.from_state_dict(
             plain, traverse_util.unflatten_dict(given, sep="/")))
         if (self.ema_params is None) != ("ema_target" not in tree):
-            raise ValueError("checkpoint and run disagree on EMA weights (ema_target): a run with "
-                             "trainer.Trainer.ema_decay set resumes only from a checkpoint with EMA")
+            raise ValueError("checkpoint and run disagree on EMA weights (ema_target): a run "
+                             "with ema_decay set resumes only from a checkpoint with EMA")
         return self.replace(step=jnp.asarray(tree["state"]["step"]), params=tree["target"],
                             opt_state=opt_state, ema_params=tree.get("ema_target"))
 
@@ -75,7 +75,8 @@ class EarlyStoppingAction(BaseAction):
     def __init__(self, metric: tuple[str, str], mode: str, patience: int = 3,
                  atol: float = 0.0, rtol: float = 0.0):
         if mode not in ("min", "max"):
-            raise ValueError(f"trainer.EarlyStoppingAction.mode must be 'min' or 'max', got {mode!r}")
+            raise ValueError("trainer.EarlyStoppingAction.mode must be 'min' or 'max', "
+                             f"got {mode!r}")
         if atol < 0 or rtol < 0:
             raise ValueError(f"trainer.EarlyStoppingAction: atol and rtol must be >= 0, "
                              f"got atol={atol}, rtol={rtol}")
