@@ -24,15 +24,15 @@ MOE_MESH = "2x2x2"  # data x expert x model
 RTOL = 2e-6
 
 
-def _model(moe_layers: bool):
+def _model(moe_layers: bool, num_heads: int = 8):
     import optax
     import seqio
 
     from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
     from capibara_exp.runtime import models, moe, optimizers
 
-    cfg = DecoderConfig(vocab_size=64, emb_dim=32, num_heads=8, head_dim=8, num_layers=2,
-                        mlp_dim=64)
+    cfg = DecoderConfig(vocab_size=64, emb_dim=32, num_heads=num_heads, head_dim=8,
+                        num_layers=2, mlp_dim=64)
     opt = optimizers.OptaxWrapper(optax.adam(1e-2))
     vocab = seqio.PassThroughVocabulary(64)
     if not moe_layers:
@@ -134,6 +134,8 @@ def worker() -> dict:
         "more_expert_partitions_than_experts": _error(lambda: moe_trainer_on(
             moe.MoePjitPartitioner(num_expert_partitions=8))),
         "batch": _error(lambda: moe_partitioner().check_batch_size(6)),
+        "heads": _error(lambda: _run(_model(False, num_heads=4),
+                                     partitioning.PjitPartitioner(num_partitions=8), Trainer, False)),
         "batch_dense": _error(
             lambda: partitioning.PjitPartitioner(num_partitions=2).check_batch_size(6)),
     }
@@ -178,6 +180,9 @@ def test_impossible_meshes_are_errors_naming_the_sizes(report: dict) -> None:
     assert "expert axis of 8" in e["more_expert_partitions_than_experts"]
     assert "batch size 6" in e["batch"] and "4 batch shards" in e["batch"]
     assert "batch size 6" in e["batch_dense"] and "4 batch shards" in e["batch_dense"]
+    # 4 heads cannot split over 8 model partitions: named before compiling.
+    assert "['relpos_bias']['rel_embedding'] of shape (4, 32)" in e["heads"]
+    assert "logical axis 'heads'" in e["heads"] and "('model',) of size 8" in e["heads"]
 
 
 if __name__ == "__main__":

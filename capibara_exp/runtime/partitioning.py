@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -117,6 +118,22 @@ class PjitPartitioner:
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(nn_partitioning.axis_rules(self.logical_axis_rules))
         return stack
+
+    def check_divisible(self, params: Any, param_axes: Any) -> None:
+        """Every sharded parameter dimension must split evenly over its mesh axes: an error
+        naming the parameter, its shape and the mesh axis, before anything compiles."""
+        flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+        flat_axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        for (path, leaf), logical in zip(flat_params, flat_axes, strict=True):
+            spec = nn.logical_to_mesh_axes(logical, self.logical_axis_rules)
+            for dim, (size, mesh_axes) in enumerate(zip(leaf.shape, spec, strict=False)):
+                names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+                ways = math.prod(self.mesh.shape[a] for a in names)
+                if size % ways:
+                    raise ValueError(
+                        f"parameter {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}: "
+                        f"dimension {dim} ({size}, logical axis '{logical[dim]}') does not split "
+                        f"over mesh axis {names} of size {ways} (mesh {dict(self.mesh.shape)})")
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

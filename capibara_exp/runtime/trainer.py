@@ -143,6 +143,7 @@ class Trainer:
         if max_consecutive_skips < 1:
             raise ValueError("trainer.Trainer.max_consecutive_skips must be >= 1, "
                              f"got {max_consecutive_skips}")
+        partitioner.check_divisible(train_state.params, train_state_axes.params)  # before compile
         del eval_names, summary_dir, train_state  # T5X's signature; the loop writes summaries
         self.model = model
         self.partitioner = partitioner
