@@ -57,3 +57,11 @@ def nan_trimmed_mean(x_NxM: np.ndarray, trim: int) -> np.ndarray:
 def axpy(acc_M: np.ndarray, x_M: np.ndarray, w: float) -> None:
     """acc += w * x in float32, in place."""
     acc_M += np.float32(w) * x_M
+
+
+def weighted_sum_of(arrays: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """sum_i w_i x_i in float32, added in candidate order (the kernel's order)."""
+    out = np.zeros(np.asarray(arrays[0]).size, np.float32)
+    for x, w in zip(arrays, weights, strict=True):
+        out = out + np.float32(w) * np.asarray(x, np.float32).reshape(-1)
+    return out

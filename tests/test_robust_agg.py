@@ -47,8 +47,12 @@ def test_axpy_matches_reference(x_M: np.ndarray, w: float) -> None:
 
 
 def test_reference_agrees_with_numpy_on_finite_input() -> None:
-    x_NxM = np.random.default_rng(0).normal(size=(7, 1000)).astype(np.float32)
+    x_NxM = np.random.default_rng(0).normal(size=(7, 3000)).astype(np.float32)
     x_NxM[2, :10] = np.nan
+    # Several column blocks of the kernel, against the reference.
+    np.testing.assert_array_equal(robust_agg.nanmedian(x_NxM), robust_agg_ref.nanmedian(x_NxM))
+    np.testing.assert_array_equal(robust_agg.nan_trimmed_mean(x_NxM, 2),
+                                  robust_agg_ref.nan_trimmed_mean(x_NxM, 2))
     np.testing.assert_allclose(robust_agg_ref.nanmedian(x_NxM), np.nanmedian(x_NxM, axis=0),
                                rtol=1e-6)
     srt = np.sort(x_NxM[:, 20:], axis=0)
@@ -61,3 +65,32 @@ def test_all_nan_column_is_nan_and_negative_trim_is_an_error() -> None:
     assert np.isnan(robust_agg.nanmedian(x_NxM)[0]) and robust_agg.nanmedian(x_NxM)[1] == 2.0
     with pytest.raises(ValueError, match="trim must be >= 0"):
         robust_agg.nan_trimmed_mean(x_NxM, -1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_STACKS, st.integers(0, 3))
+def test_list_entry_points_match_the_stacked_ones(x_NxM: np.ndarray, trim: int) -> None:
+    rows = [np.ascontiguousarray(r) for r in x_NxM]
+    np.testing.assert_array_equal(robust_agg.nanmedian_of(rows), robust_agg_ref.nanmedian(x_NxM))
+    np.testing.assert_array_equal(robust_agg.nan_trimmed_mean_of(rows, trim),
+                                  robust_agg_ref.nan_trimmed_mean(x_NxM, trim))
+
+
+@settings(max_examples=100, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(0, 9000)),
+                  elements=st.floats(-1e3, 1e3, width=32)))
+def test_weighted_sum_matches_reference(x_NxM: np.ndarray) -> None:
+    rows = list(x_NxM)
+    weights = list(np.linspace(0.1, 1.0, len(rows)))
+    np.testing.assert_array_equal(robust_agg.weighted_sum_of(rows, weights),
+                                  robust_agg_ref.weighted_sum_of(rows, weights))
+
+
+def test_batcher_network_sorts_every_zero_one_input() -> None:
+    pairs = robust_agg.batcher_pairs(8)
+    for bits in range(256):  # the 0-1 principle: sorting all 0/1 inputs proves the network
+        x = [(bits >> i) & 1 for i in range(8)]
+        for a, b in pairs:
+            if x[a] > x[b]:
+                x[a], x[b] = x[b], x[a]
+        assert x == sorted(x)

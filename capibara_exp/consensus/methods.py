@@ -17,7 +17,7 @@ import numpy as np
 
 from capibara_exp.kernels import robust_agg
 
-BLOCK_ELEMENTS = 1 << 15  # columns per kernel call: N x 32k float32 stays in L2
+BLOCK_ELEMENTS = 1 << 15  # Gram pass: columns per matmul block
 
 
 def _is_float(x: jax.Array) -> bool:
@@ -35,21 +35,6 @@ def _shardwise(leaves: Sequence[jax.Array], fn: Callable[[list[np.ndarray]], np.
     return jax.make_array_from_single_device_arrays(first.shape, first.sharding, outs)
 
 
-def _blocked(parts: list[np.ndarray], kernel: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """Run a [N, B] -> [B] kernel over column blocks of the flattened candidates."""
-    flat = [np.ascontiguousarray(p, np.float32).reshape(-1) for p in parts]
-    size = flat[0].size
-    out = np.empty(size, np.float32)
-    stack_NxB = np.empty((len(flat), min(size, BLOCK_ELEMENTS)), np.float32)
-    for start in range(0, size, BLOCK_ELEMENTS):
-        stop = min(start + BLOCK_ELEMENTS, size)
-        block = stack_NxB[:, : stop - start]
-        for i, f in enumerate(flat):
-            block[i] = f[start:stop]
-        out[start:stop] = kernel(np.ascontiguousarray(block))
-    return out
-
-
 def _integer_leaf(leaves: Sequence[jax.Array]) -> jax.Array:
     """Counters (step, optimizer count): the largest, so a resumed run counts on from it."""
     return _shardwise(leaves, lambda parts: np.max(np.stack(parts), axis=0))
@@ -64,13 +49,9 @@ def weighted_mean(leaves: Sequence[jax.Array], weights: Sequence[float]) -> jax.
         raise ValueError("weighted_mean: every weight is zero")
     dtype = leaves[0].dtype
 
-    def host(parts: list[np.ndarray]) -> np.ndarray:
-        acc = np.zeros(parts[0].size, np.float32)
-        for (w, _), p in zip(used, parts, strict=True):
-            robust_agg.axpy(acc, np.ascontiguousarray(p, np.float32).reshape(-1), w)
-        return acc.astype(dtype)
-
-    return _shardwise([x for _, x in used], host)
+    ws = [w for w, _ in used]
+    return _shardwise([x for _, x in used],
+                      lambda parts: robust_agg.weighted_sum_of(parts, ws).astype(dtype, copy=False))
 
 
 def uniform_weights(n: int) -> np.ndarray:
@@ -82,7 +63,7 @@ def median(leaves: Sequence[jax.Array]) -> jax.Array:
     if not _is_float(leaves[0]):
         return _integer_leaf(leaves)
     dtype = leaves[0].dtype
-    return _shardwise(leaves, lambda parts: _blocked(parts, robust_agg.nanmedian).astype(dtype))
+    return _shardwise(leaves, lambda parts: robust_agg.nanmedian_of(parts).astype(dtype, copy=False))
 
 
 def trimmed_mean(leaves: Sequence[jax.Array], trim: int) -> jax.Array:
@@ -90,8 +71,8 @@ def trimmed_mean(leaves: Sequence[jax.Array], trim: int) -> jax.Array:
     if not _is_float(leaves[0]):
         return _integer_leaf(leaves)
     dtype = leaves[0].dtype
-    return _shardwise(leaves, lambda parts: _blocked(
-        parts, lambda b: robust_agg.nan_trimmed_mean(b, trim)).astype(dtype))
+    return _shardwise(leaves, lambda parts: robust_agg.nan_trimmed_mean_of(parts, trim).astype(
+        dtype, copy=False))
 
 
 def task_arithmetic(leaves: Sequence[jax.Array], base: jax.Array, scale: float) -> jax.Array:
