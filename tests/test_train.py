@@ -119,3 +119,25 @@ def test_periods_follow_t5x_rules() -> None:
     assert _periods_check(100, eval_period=None, save_period=None) == 100
     with pytest.raises(ValueError, match=r"eval_period=3 is not a multiple of 2"):
         _periods_check(100, eval_period=3, save_period=2)
+
+
+def test_gin_bound_actions_and_a_callers_actions_both_run(tmp_path: Path, data_dir) -> None:
+    """A sweep trial's pruning action joins the actions config.gin binds (here early stopping)."""
+    from capibara_exp.runtime.trainer import BaseAction
+
+    class Record(BaseAction):
+        steps: list[int] = []
+
+        def run(self, train_state, metrics_by_task) -> bool:
+            self.steps.append(int(train_state.step))
+            return False
+
+    # mode=max on a falling loss: the bound EarlyStoppingAction stops after one bad eval.
+    cfg = compose_config([f"model_dir={tmp_path}", *TINY, "early_stopping=default",
+                          "early_stopping.early_stopping_mode=max",
+                          "early_stopping.early_stopping_patience=1", "trainer.train_steps=6",
+                          "trainer.eval_period=1", "checkpoint.checkpoint_period=6"])
+    path = experiment.write_gin(cfg, tmp_path, {})
+    step, _ = gin_utils.run_train(path, actions={"TRAIN_EVAL": [Record()]})
+    assert Record.steps == list(range(1, step + 1))  # the caller's action ran at every eval
+    assert step < 6  # and the bound one stopped the run

@@ -62,10 +62,9 @@ def run_train(path: str | Path, actions: dict | None = None) -> Any:
     train = gin.get_configurable(train_script.train)
     if not actions:
         return train()
-    try:
-        gin.query_parameter("train_script.train.actions")
-    except ValueError:  # not bound in config.gin: the extra actions are all there is
-        return train(actions=actions)
-    raise ConfigError(f"{path}: train_script.train.actions is bound in the gin config and this "
-                      "run adds actions of its own (a sweep trial's pruning); the local engine "
-                      "cannot combine the two yet")
+    # Both the gin-bound actions (e.g. a consensus merge) and the caller's (a sweep trial's
+    # pruning) run: the bound ones first, in their modes' order.
+    bound = gin.get_bindings(train_script.train).get("actions") or {}
+    merged = {mode: [*bound.get(mode, []), *actions.get(mode, [])]
+              for mode in dict.fromkeys([*bound, *actions])}
+    return train(actions=merged)
