@@ -193,6 +193,13 @@ def sqlite_statements() -> Iterator[Snippet]:
                     )
 
 
+def _package(path: Path) -> str:
+    """The node package a Markdown file documents: the folder after the last node_modules."""
+    parts = path.parts
+    at = max((i for i, p in enumerate(parts) if p == "node_modules"), default=-1)
+    return parts[at + 1] if at + 1 < len(parts) - 1 else parts[0]
+
+
 def markdown_javascript(roots: tuple[str, ...] = JS_ROOTS) -> Iterator[Snippet]:
     site = sysconfig.get_paths()["purelib"]
     for root in (*roots, site):
@@ -209,5 +216,5 @@ def markdown_javascript(roots: tuple[str, ...] = JS_ROOTS) -> Iterator[Snippet]:
                         id=f"markdown-js:{name}#{i}",
                         language="javascript",
                         code=code,
-                        source=f"markdown-js:{name.parts[0]}",
+                        source=f"markdown-js:{_package(name)}",
                     )
