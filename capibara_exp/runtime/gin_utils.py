@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import gin
-
 from capibara_exp.gin_bridge import ConfigError
 
 OPERATIVE_CONFIG = "operative_config.gin"
