@@ -1,5 +1,5 @@
 """Consensus merging on real tiny candidates: trained a few steps from one init on
-different client shards of the task, saved as T5X-layout checkpoints with manifests."""
+different batches of the task, saved as T5X-layout checkpoints with manifests."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def save_tree(model_dir: Path, step: int, tree: dict, config_gin: Path) -> store
 
 @pytest.fixture(scope="session")
 def setup(tmp_path_factory, data_dir):
-    """Honest candidates from one init (different data shards), the base, an evaluator."""
+    """Honest candidates from one init (different batches), the base, an evaluator."""
     root = tmp_path_factory.mktemp("consensus")
     cfg = compose_config([f"model_dir={root / 'run'}", *TINY])
     config_gin = experiment.write_gin(cfg, root / "run", {})
@@ -49,10 +49,10 @@ def setup(tmp_path_factory, data_dir):
     trainer, state0 = federated.build_trainer(parts, seed=0)
     base = save_tree(root / "base", 0, jax.device_get(state0.state_dict()), config_gin)
     honest = []
+    batches = federated.client_batches(parts, 0, 1)  # one pipeline: consecutive, disjoint batches
     for i in range(NUM_HONEST):
         start = jax.tree.map(lambda x: x.copy(), state0)
-        state = federated.local_steps(trainer, start, federated.client_batches(parts, i, NUM_HONEST),
-                                      LOCAL_STEPS)
+        state = federated.local_steps(trainer, start, batches, LOCAL_STEPS)
         honest.append(save_tree(root / f"honest{i}", LOCAL_STEPS,
                                 jax.device_get(state.state_dict()), config_gin))
     return {"root": root, "config_gin": config_gin, "parts": parts, "base": base,
@@ -228,3 +228,23 @@ def test_fedavg_with_dp_reports_epsilon_and_learns(setup) -> None:
     tighter = federated.epsilon(federated.FedConfig(rounds=2, clip_norm=1.0, noise_multiplier=0.5))
     assert tighter < rep["epsilon"]  # more noise, less privacy loss
     assert federated.epsilon(federated.FedConfig(clip_norm=None)) is None
+
+
+def test_capibara_exp_merge_config_composes_and_merges(setup, tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from capibara_exp.consensus.cli import run_merge
+    from capibara_exp.paths import CONF_DIR
+
+    runs = [str(c.step_dir) for c in setup["honest"][:3]]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("merge", overrides=[f"runs=[{','.join(runs)}]", f"out={tmp_path}",
+                                          "method=median", "gate.require_manifest=true"])
+    rep = run_merge(cfg)
+    assert rep["method"]["method"] == "median" and len(rep["candidates"]) == 3
+    assert (tmp_path / f"checkpoint_{LOCAL_STEPS}" / "capibara_manifest.json").is_file()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        bad = compose("merge", overrides=[f"runs=[{runs[0]}]", f"out={tmp_path / 'x'}",
+                                          "method=soup"])
+    with pytest.raises(ValueError, match="unknown merge method 'soup'"):
+        run_merge(bad)
