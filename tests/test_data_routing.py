@@ -293,3 +293,34 @@ def test_capibara_exp_data_builds_with_overrides(log_file: Path, tmp_path: Path)
         timeout=300,
     )
     assert bad.returncode == 2 and "min_quality=2.0 dropped" in bad.stderr
+
+
+def test_dropping_the_batch_iterator_stops_its_producer(tasks) -> None:
+    import threading
+    import time
+
+    import seqio
+
+    from capibara_exp.runtime import inputs
+    from capibara_exp.runtime.config import DatasetConfig
+
+    cfg = DatasetConfig(
+        mixture_or_task_name=tasks.domain_task("ml"),
+        task_feature_lengths={"targets": 64},
+        split="train",
+        batch_size=2,
+        shuffle=False,
+        seed=0,
+        pack=True,
+    )
+    it = inputs.batches(cfg, seqio.DecoderFeatureConverter, 0)
+    assert next(it)["decoder_target_tokens"].shape == (2, 64)
+    assert any(t.name == "capibara-input" for t in threading.enumerate())
+    it.close()
+    deadline = time.monotonic() + 10
+    while (
+        any(t.name == "capibara-input" for t in threading.enumerate())
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert not any(t.name == "capibara-input" for t in threading.enumerate())

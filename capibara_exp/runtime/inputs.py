@@ -119,24 +119,42 @@ def _packed_batches(
 def _kernel_batches(
     cfg: DatasetConfig, packer: packing.Packer, seed: int | None, skip_batches: int, repeat: bool
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Kernel-packed batches made on a producer thread, PREFETCH_BATCHES ahead."""
+    """Kernel-packed batches made on a producer thread, PREFETCH_BATCHES ahead.
+
+    Closing (or dropping) the iterator stops the producer, so a run that stops reading
+    an endless stream (eval batches, the end of training, a sweep's next job) leaves no
+    thread or tf.data pipeline behind.
+    """
     out: queue.Queue = queue.Queue(maxsize=PREFETCH_BATCHES)
+    stop = threading.Event()
     done = object()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for i, batch in enumerate(_packed_batches(cfg, packer, seed, repeat)):
-                if i >= skip_batches:
-                    out.put(batch)
+                if i >= skip_batches and not put(batch):
+                    return
         except BaseException as err:  # re-raised in the consumer, where the run can report it
-            out.put(err)
-        out.put(done)
+            put(err)
+        put(done)
 
     threading.Thread(target=produce, name="capibara-input", daemon=True).start()
-    while True:
-        item = out.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while True:
+            item = out.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
