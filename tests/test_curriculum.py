@@ -34,9 +34,9 @@ if UPPER not in seqio.TaskRegistry.names():  # a second task: the same corpus in
                        seqio.preprocessors.append_eos_after_trim],
         output_features=tasks.LM_OUTPUT_FEATURES, metric_fns=[])
 
-STAGES = (f"curriculum.curriculum_stages=[{{mixture_or_task_name: {tasks.BYTES_LM}, steps: 3}}, "
-          f"{{mixture_or_task_name: {UPPER}, steps: 4, module: tests.test_curriculum}}]")
-COMMON = ["curriculum=staged", STAGES, "trainer.train_steps=7", "trainer.eval_period=7",
+STAGES = (f"curriculum.curriculum_stages=[{{mixture_or_task_name: {tasks.BYTES_LM}, steps: 2}}, "
+          f"{{mixture_or_task_name: {UPPER}, steps: 3, module: tests.test_curriculum}}]")
+COMMON = ["curriculum=staged", STAGES, "trainer.train_steps=5", "trainer.eval_period=5",
           "checkpoint.checkpoint_period=1", "checkpoint.checkpoints_to_keep=null"]
 
 
@@ -73,20 +73,20 @@ def test_stages_are_checked_and_located() -> None:
 def test_resume_mid_stage_two_ends_with_the_uninterrupted_parameters(tmp_path: Path,
                                                                      data_dir) -> None:
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert run(straight, *COMMON)[0] == 7
-    assert run(stopped, *COMMON, actions={"TRAIN_EVAL": [StopAt(5)]})[0] == 5  # mid-stage 2
-    final, at_5 = read_checkpoint(straight, 7), read_checkpoint(stopped, 5)
-    assert not leaves_equal(at_5["target"], final["target"])  # resuming has work to do
-    assert leaves_equal(at_5, read_checkpoint(straight, 5))
-    assert run(stopped, *COMMON)[0] == 7
-    assert checkpoints.steps(stopped)[-1] == 7
-    assert leaves_equal(read_checkpoint(stopped, 7), final)
+    assert run(straight, *COMMON)[0] == 5
+    assert run(stopped, *COMMON, actions={"TRAIN_EVAL": [StopAt(4)]})[0] == 4  # mid-stage 2
+    final, at_4 = read_checkpoint(straight, 5), read_checkpoint(stopped, 4)
+    assert not leaves_equal(at_4["target"], final["target"])  # resuming has work to do
+    assert leaves_equal(at_4, read_checkpoint(straight, 4))
+    assert run(stopped, *COMMON)[0] == 5
+    assert checkpoints.steps(stopped)[-1] == 5
+    assert leaves_equal(read_checkpoint(stopped, 5), final)
 
-    # Stage 2 reads its own task: with the first task in both stages, step 3 is the same
-    # and step 4 (the first batch of stage 2) is not.
+    # Stage 2 reads its own task: with the first task in both stages, step 2 is the same
+    # and step 3 (the first batch of stage 2) is not.
     one_task = tmp_path / "one_task"
     run(one_task, *[c.replace(UPPER, tasks.BYTES_LM) for c in COMMON],
-        actions={"TRAIN_EVAL": [StopAt(4)]})
-    assert leaves_equal(read_checkpoint(one_task, 3), read_checkpoint(straight, 3))
-    assert not leaves_equal(read_checkpoint(one_task, 4)["target"],
-                            read_checkpoint(straight, 4)["target"])
+        actions={"TRAIN_EVAL": [StopAt(3)]})
+    assert leaves_equal(read_checkpoint(one_task, 2), read_checkpoint(straight, 2))
+    assert not leaves_equal(read_checkpoint(one_task, 3)["target"],
+                            read_checkpoint(straight, 3)["target"])
