@@ -20,6 +20,7 @@ from capibara_exp.sweeping import study, workers
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TRIALS = 12
+SLEEP_S = 0.02  # a job's duration
 
 
 def work(url: str, index: int, log: str) -> None:
@@ -28,7 +29,7 @@ def work(url: str, index: int, log: str) -> None:
     def job(overrides: list[str], number: int) -> dict:
         with open(log, "a") as f:  # O_APPEND: lines from two processes do not interleave
             f.write(f"{os.getpid()} {number}\n")
-        time.sleep(0.02)  # long enough for the workers to overlap
+        time.sleep(SLEEP_S)  # long enough for the workers to overlap
         x = float(dict(o.split("=") for o in overrides)["x"])
         return {"loss": (x - 0.3) ** 2}
 
@@ -70,6 +71,31 @@ def test_two_workers_share_a_sqlite_study(tmp_path: Path) -> None:
 def test_two_workers_share_a_journal_file(tmp_path: Path) -> None:
     url = str(tmp_path / "study.journal")
     assert_no_duplicate_or_lost_trial(url, run_workers(url, tmp_path))
+
+
+def test_a_sweep_killed_mid_trial_resumes_without_losing_or_rerunning_trials(
+        tmp_path: Path) -> None:
+    url, log = study.storage_url(None, tmp_path), tmp_path / "ran.log"
+    code = ("import sys, tests.test_sweeper_workers as t; t.SLEEP_S = 0.5; "
+            "t.work(sys.argv[1], 0, sys.argv[2])")
+    proc = subprocess.Popen([sys.executable, "-c", code, url, str(log)], cwd=ROOT)
+    try:
+        for _ in range(600):  # until the third trial has started
+            if log.exists() and len(log.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.1)
+    finally:
+        proc.kill()  # SIGKILL: no chance to tell the storage anything
+        proc.wait()
+    killed = len(log.read_text().splitlines()) - 1  # the one that was running
+    work(url, 0, str(log))  # the same command again
+    ran = [int(line.split()[1]) for line in log.read_text().splitlines()]
+    assert len(ran) == len(set(ran))  # no trial ran twice
+    s = optuna.load_study(study_name="shared", storage=study.make_storage(url))
+    assert len(s.trials) == N_TRIALS  # the total is the study's, across both runs
+    assert s.trials[killed].state == TrialState.FAIL
+    assert s.trials[killed].user_attrs[study.ERROR] == study.ORPHANED
+    assert all(t.state == TrialState.COMPLETE for t in s.trials if t.number != killed)
 
 
 def test_a_trial_asked_past_n_trials_is_not_run(tmp_path: Path) -> None:
