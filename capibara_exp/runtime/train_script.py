@@ -177,7 +177,9 @@ def train(
     window.flops_per_step = batch_size * length * model_flops_per_token(
         getattr(model, "frozen_params", None) or state.params,
         getattr(model.module, "config", None), length)
-    window.peak_flops = run_peak_flops(model_dir)
+    # One device's measured peak times the devices the step runs on (simulated CPU devices
+    # share the host's cores, so there MFU reads low).
+    window.peak_flops = run_peak_flops(model_dir) * jax.device_count()
     step, stop = start_step, False
     while step < total_steps and not stop:
         host_batch = window.next_batch(train_iter)
