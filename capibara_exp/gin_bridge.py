@@ -35,6 +35,7 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from t5x import partitioning",
         "from t5x import trainer",
         "from t5x import utils",
+        "import optax",
         "from t5x.contrib.moe import models as moe_models",
         "from t5x.contrib.moe import partitioning as moe_partitioning",
         "from t5x.contrib.moe import trainer as moe_trainer",
@@ -47,6 +48,8 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from capibara_exp.runtime import partitioning",
         "from capibara_exp.runtime import trainer",
         "from capibara_exp.runtime import config as utils",
+        # optax whose numbers are optimizer state: a sweep's trials share one compiled step
+        "from capibara_exp.runtime import hyperparams as optax",
         # one module holds t5x.contrib.moe's model, partitioner and trainer
         "from capibara_exp.runtime import moe as moe_models",
         "from capibara_exp.runtime import moe as moe_partitioning",
@@ -55,7 +58,6 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
 }
 COMMON_IMPORTS = (
     "from capibara_exp import nets",
-    "import optax",
     "import seqio",
 )
 BODY_MARKER = "# ---- body: identical for every engine ----"
