@@ -178,3 +178,13 @@ def test_language_detection_and_features(code: str, language: str) -> None:
         "javascript": ("functions",),
     }[language]
     assert all(feats[k] >= 1 for k in want), feats
+
+
+def test_hosted_e2b_without_a_key_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("E2B_API_KEY", raising=False)
+    with pytest.raises(
+        ValueError, match=r"collect.use_e2b=true needs an E2B API key in \$E2B_API_KEY"
+    ):
+        collector.collect(
+            tmp_path / "x.jsonl", ["sqlite_statements"], 1, sandbox.Limits(), use_e2b=True
+        )

@@ -8,8 +8,10 @@ is never read, logged or written by this module.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,24 +96,30 @@ def collect_e2b(items: list[snippets.Snippet], timeout_s: float) -> list[Executi
     with Sandbox.create() as sbx:
         meta = {"engine": "e2b", "template": "code-interpreter", "sandbox_id": sbx.sandbox_id}
         for s in items:
-            code = s.setup + "\n" + s.code if s.setup else s.code
-            execution = (
-                sbx.run_code(
-                    code,
-                    language=s.language if s.language != "sql" else "python",
-                    timeout=timeout_s,
+            # A fresh context per snippet, as the local sandbox resets per snippet; SQL has no
+            # E2B kernel and runs through Python's sqlite3 inside the sandbox.
+            started = datetime.datetime.now(datetime.UTC).isoformat()
+            t0 = time.perf_counter()
+            if s.language == "sql":
+                execution = _e2b_sql(sbx, s)
+            else:
+                context = sbx.create_code_context(language=s.language)
+                # Doctests see their module's globals locally; here a star import is the
+                # nearest the hosted kernel offers.
+                setup = "\n".join(
+                    filter(None, [f"from {s.module} import *" if s.module else "", s.setup])
                 )
-                if s.language != "sql"
-                else _e2b_sql(sbx, s)
-            )
+                if setup:
+                    sbx.run_code(setup, context=context, timeout=timeout_s)
+                execution = sbx.run_code(s.code, context=context, timeout=timeout_s)
             records.append(
                 ExecutionRecord(
                     id=s.id,
                     language=s.language,
                     code=s.code,
                     execution=execution,
-                    duration_ms=0.0,
-                    started_at="",
+                    duration_ms=(time.perf_counter() - t0) * 1e3,
+                    started_at=started,
                     sandbox=meta,
                     source=s.source,
                     expected_output=s.expected_output,
@@ -139,7 +147,9 @@ def collect(
 ) -> list[ExecutionRecord]:
     """Execute the sources' snippets and write their execution log to `path` (JSONL)."""
     items = gather(sources, max_per_source)
-    if use_e2b and os.environ.get("E2B_API_KEY"):
+    if use_e2b and not os.environ.get("E2B_API_KEY"):
+        raise ValueError("collect.use_e2b=true needs an E2B API key in $E2B_API_KEY")
+    if use_e2b:
         records = collect_e2b(items, limits.cell_timeout_s)
     else:
         records = collect_local(items, limits)
