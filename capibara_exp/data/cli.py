@@ -20,14 +20,14 @@ from capibara_exp.paths import CONF_DIR
 
 @hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
 def _app(cfg: DictConfig) -> None:
-    from capibara_exp.data import build, processing
+    from capibara_exp.data import build
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     data_dir, force = settings.pop("data_dir"), settings.pop("force")
     settings.pop("hydra", None)
     try:
         manifest = build.ensure_built(data_dir, build.build_config(settings), force=force)
-    except (build.BuildError, processing.NoExamplesError) as err:
+    except ValueError as err:  # BuildError, NoExamplesError, bad settings: named in the message
         print(f"capibara-exp-data: {err}", file=sys.stderr)
         sys.exit(2)
     summary = {
