@@ -141,3 +141,14 @@ def test_gin_bound_actions_and_a_callers_actions_both_run(tmp_path: Path, data_d
     step, _ = gin_utils.run_train(path, actions={"TRAIN_EVAL": [Record()]})
     assert Record.steps == list(range(1, step + 1))  # the caller's action ran at every eval
     assert step < 6  # and the bound one stopped the run
+
+
+def test_the_progress_line_shows_the_data_wait_share() -> None:
+    import io
+
+    from capibara_exp.runtime.metrics import Progress
+
+    out = io.StringIO()
+    Progress(100, out).update(40, 2.5, 5800.0, 0.25, data_wait_share=0.031)
+    assert out.getvalue() == ("step 40/100  loss 2.5000  5.8k tok/s  250 ms/step  "
+                              "data wait 3.1%  ETA 0:00:15\n")

@@ -136,10 +136,14 @@ class Progress:
         self.stream = stream
         self.tty = stream.isatty()
 
-    def update(self, step: int, loss: float, tokens_per_s: float, step_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, step_s: float,
+               data_wait_share: float | None = None) -> None:
         eta = max(self.total_steps - step, 0) * step_s
         line = (f"step {step}/{self.total_steps}  loss {loss:.4f}  "
-                f"{tokens_per_s / 1e3:.1f}k tok/s  {step_s * 1e3:.0f} ms/step  ETA {_clock(eta)}")
+                f"{tokens_per_s / 1e3:.1f}k tok/s  {step_s * 1e3:.0f} ms/step")
+        if data_wait_share is not None:
+            line += f"  data wait {data_wait_share:.1%}"
+        line += f"  ETA {_clock(eta)}"
         if self.tty:
             self.stream.write("\r\033[K" + line)
         else:

@@ -196,7 +196,8 @@ def train(
         if window.steps and (step % stats_period == 0 or end_of_epoch):
             m = window.flush()
             writer.write(step, "train", m)
-            progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"])
+            progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"],
+                            m.get("data_wait_share"))
         if end_of_epoch:
             metrics_by_task = {}
             if eval_batches and (final or step % (eval_period or total_steps) == 0):
