@@ -18,6 +18,7 @@ from capibara_exp.consensus import methods
 
 
 def best_of(fn, repeats: int = 3) -> float:
+    fn()  # warm-up: the first np.asarray of a jax.Array copies it (later ones reuse the copy)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ Reference: robust_agg_ref.py.
 import numpy as np
 
 cimport numpy as cnp
-from libc.math cimport INFINITY, NAN, isnan
+from libc.math cimport INFINITY, NAN
 from libc.stdlib cimport free, malloc
 
 cnp.import_array()
@@ -42,57 +42,107 @@ def batcher_pairs(Py_ssize_t p):
     return np.asarray(pairs, np.intc).reshape(-1, 2)
 
 
+cdef extern from *:
+    """
+    /* Compare-exchange of two rows: a = min(a, b), b = max(a, b), 4 lanes at a time.
+       The rows hold no NaN (NaN is stored as +inf), so min/max are exact. */
+    #if defined(__x86_64__) || defined(__SSE__)
+    #include <xmmintrin.h>
+    static inline void ra_compare_exchange(float* a, float* b, Py_ssize_t n) {
+        Py_ssize_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            __m128 u = _mm_loadu_ps(a + j), v = _mm_loadu_ps(b + j);
+            _mm_storeu_ps(a + j, _mm_min_ps(u, v));
+            _mm_storeu_ps(b + j, _mm_max_ps(u, v));
+        }
+        for (; j < n; j++) { float u = a[j], v = b[j]; a[j] = u < v ? u : v; b[j] = u < v ? v : u; }
+    }
+    #else
+    static inline void ra_compare_exchange(float* a, float* b, Py_ssize_t n) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            float u = a[j], v = b[j]; a[j] = u < v ? u : v; b[j] = u < v ? v : u;
+        }
+    }
+    #endif
+    #include <math.h>
+    /* Copy one candidate's slice into a buffer row, NaN as +inf, counting real values
+       (branch-free, so it vectorises). */
+    static inline void ra_load_row(const float* restrict x, float* restrict dst,
+                                   int* restrict counts, Py_ssize_t n) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            float v = x[j];
+            int real = (v == v);
+            dst[j] = real ? v : INFINITY;
+            counts[j] += real;
+        }
+    }
+    /* acc[j] += row[j] in double: sorted rows added one at a time, so every column sums
+       in ascending order (the reference's order) and the loop vectorises. */
+    static inline void ra_add_row(const float* restrict row, double* restrict acc, Py_ssize_t n) {
+        for (Py_ssize_t j = 0; j < n; j++) acc[j] += (double)row[j];
+    }
+    """
+    void ra_compare_exchange(float* a, float* b, Py_ssize_t n) nogil
+    void ra_load_row(const float* x, float* dst, int* counts, Py_ssize_t n) nogil
+    void ra_add_row(const float* row, double* acc, Py_ssize_t n) nogil
+
+
 cdef inline void _sort_block(float* buf, const int* pairs, Py_ssize_t npairs,
                              Py_ssize_t width) noexcept nogil:
-    cdef Py_ssize_t q, j
-    cdef float* ra
-    cdef float* rb
-    cdef float u, v
+    # Branch-free: with scalar `u < v ? u : v` GCC kept branches, and random data
+    # mispredicts half of them (0.14 GB/s for 8 candidates; SIMD min/max: see bench).
+    cdef Py_ssize_t q
     for q in range(npairs):
-        ra = buf + pairs[2 * q] * BLOCK
-        rb = buf + pairs[2 * q + 1] * BLOCK
-        for j in range(width):
-            u = ra[j]
-            v = rb[j]
-            ra[j] = u if u < v else v
-            rb[j] = v if u < v else u
+        ra_compare_exchange(buf + pairs[2 * q] * BLOCK, buf + pairs[2 * q + 1] * BLOCK, width)
 
 
 cdef void _core(const float** rows, Py_ssize_t n, Py_ssize_t m, float* out, int mode,
-                Py_ssize_t trim, float* buf, int* counts, Py_ssize_t p,
+                Py_ssize_t trim, float* buf, int* counts, double* acc, Py_ssize_t p,
                 const int* pairs, Py_ssize_t npairs) noexcept nogil:
-    cdef Py_ssize_t start, width, i, j, c, k, r
-    cdef float v
-    cdef double acc
+    cdef Py_ssize_t start, width, i, j, c, k, r, k_all
+    cdef bint complete
+    cdef double total
     for start in range(0, m, BLOCK):
         width = min(BLOCK, m - start)
         for j in range(width):
             counts[j] = 0
         for i in range(n):
-            for j in range(width):
-                v = rows[i][start + j]
-                if isnan(v):
-                    buf[i * BLOCK + j] = INFINITY
-                else:
-                    buf[i * BLOCK + j] = v
-                    counts[j] += 1
+            ra_load_row(rows[i] + start, buf + i * BLOCK, counts, width)
         for i in range(n, p):
             for j in range(width):
                 buf[i * BLOCK + j] = INFINITY
         _sort_block(buf, pairs, npairs, width)
+        if mode == MEDIAN:
+            for j in range(width):
+                c = counts[j]
+                if c == 0:
+                    out[start + j] = NAN
+                else:
+                    out[start + j] = <float> ((<double> buf[((c - 1) // 2) * BLOCK + j]
+                                               + <double> buf[(c // 2) * BLOCK + j]) / 2.0)
+            continue
+        complete = True
+        for j in range(width):
+            complete = complete and counts[j] == n
+        if complete:  # no NaN in this block: add whole sorted rows
+            k_all = min(trim, (n - 1) // 2)
+            for j in range(width):
+                acc[j] = 0.0
+            for r in range(k_all, n - k_all):
+                ra_add_row(buf + r * BLOCK, acc, width)
+            for j in range(width):
+                out[start + j] = <float> (acc[j] / (n - 2 * k_all))
+            continue
         for j in range(width):
             c = counts[j]
             if c == 0:
                 out[start + j] = NAN
-            elif mode == MEDIAN:
-                out[start + j] = <float> ((<double> buf[((c - 1) // 2) * BLOCK + j]
-                                           + <double> buf[(c // 2) * BLOCK + j]) / 2.0)
-            else:
-                k = min(trim, (c - 1) // 2)
-                acc = 0.0
-                for r in range(k, c - k):
-                    acc = acc + <double> buf[r * BLOCK + j]
-                out[start + j] = <float> (acc / (c - 2 * k))
+                continue
+            k = min(trim, (c - 1) // 2)
+            total = 0.0
+            for r in range(k, c - k):
+                total = total + <double> buf[r * BLOCK + j]
+            out[start + j] = <float> (total / (c - 2 * k))
 
 
 def _run(list arrays, int mode, Py_ssize_t trim):
@@ -113,9 +163,10 @@ def _run(list arrays, int mode, Py_ssize_t trim):
     cdef const float** rows = <const float**> malloc(n * sizeof(float*))
     cdef float* buf = <float*> malloc(p * BLOCK * sizeof(float))
     cdef int* counts = <int*> malloc(BLOCK * sizeof(int))
+    cdef double* acc = <double*> malloc(BLOCK * sizeof(double))
     cdef const int* pairs_p = &pairs[0, 0] if pairs.shape[0] else NULL
-    if rows == NULL or buf == NULL or counts == NULL:
-        free(rows); free(buf); free(counts)
+    if rows == NULL or buf == NULL or counts == NULL or acc == NULL:
+        free(rows); free(buf); free(counts); free(acc)
         raise MemoryError()
     try:
         for i in range(n):
@@ -123,10 +174,10 @@ def _run(list arrays, int mode, Py_ssize_t trim):
             rows[i] = &row_v[0] if m else NULL
         if m:
             with nogil:
-                _core(rows, n, m, &out_v[0], mode, trim, buf, counts, p, pairs_p,
+                _core(rows, n, m, &out_v[0], mode, trim, buf, counts, acc, p, pairs_p,
                       pairs.shape[0])
     finally:
-        free(rows); free(buf); free(counts)
+        free(rows); free(buf); free(counts); free(acc)
     return out
 
 
