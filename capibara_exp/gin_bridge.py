@@ -65,6 +65,8 @@ BODY_MARKER = "# ---- body: identical for every engine ----"
 _REQUIRED_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*%gin\.REQUIRED\s*(#.*)?$")
 _INCLUDE_RE = re.compile(r"""^include\s+(['"])(.+)\1\s*$""")
 _REFERENCE_RE = re.compile(r"^(@[A-Za-z_][\w./]*(\(\))?|%[A-Za-z_][\w.]*)$")
+_ACTION_RE = re.compile(r"^((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)
+_ACTIONS_BINDING_RE = re.compile(r"^train_script\.train\.actions\s*=", re.M)
 _BINDING_KEY_RE = re.compile(r"^([\w.]+/)*[A-Za-z_][\w.]*\.[A-Za-z_]\w*$|^[A-Z_][A-Z0-9_]*$")
 
 
@@ -193,6 +195,7 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
     out.append("# ===== values from conf/ (fill the %gin.REQUIRED macros above)")
     for macro, (key, value) in values.items():
         out.append(f"{macro} = {to_gin_literal(value, key)}  # {key}")
+    out += _actions_binding(templates)
     extra = OmegaConf.to_container(cfg.gin_bindings) if cfg.get("gin_bindings") else []
     if extra:
         out.append("\n# ===== gin_bindings (applied last)")
@@ -203,6 +206,26 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
                                   "'scope/name.param = value'")
             out.append(f"{key.strip()} = {value.strip()}")
     return "\n".join(out) + "\n"
+
+
+def _actions_binding(templates: list[Template]) -> list[str]:
+    """One `train_script.train.actions` binding joining the templates' actions.
+
+    gin keeps only the last binding of a parameter, so templates do not bind `actions`
+    themselves: each names its action `<MODE>_ACTION_<NAME> = @...` (MODE is TRAIN_EVAL,
+    TRAIN or INFER_EVAL, T5X's action modes) and the bridge lists them all here."""
+    by_mode: dict[str, list[str]] = {}
+    for t in templates:
+        for macro, mode in _ACTION_RE.findall(t.text):
+            by_mode.setdefault(mode, []).append(f"%{macro}")
+        if _ACTIONS_BINDING_RE.search(t.text):
+            raise ConfigError(f"gin/{t.name} binds train_script.train.actions itself; name its "
+                              "action TRAIN_EVAL_ACTION_<NAME> = @... so actions can be joined")
+    if not by_mode:
+        return []
+    modes = ", ".join(f"'{mode}': [{', '.join(refs)}]" for mode, refs in by_mode.items())
+    return ["# ===== actions of the templates above, joined (T5X's modes)",
+            f"train_script.train.actions = {{{modes}}}"]
 
 
 def _add_macro(values: dict, key: str, value: object, source: str) -> None:

@@ -34,7 +34,8 @@ def test_last_k_action_is_bound_in_config_gin_for_both_engines() -> None:
     local, t5x = (gin_bridge.render(cfg, e, GIN_DIR) for e in ("local", "t5x"))
     assert gin_bridge.body_of(local) == gin_bridge.body_of(t5x)
     body = gin_bridge.body_of(local)
-    assert "train_script.train.actions = {'TRAIN_EVAL': [@consensus.ConsensusMerge()]}" in body
+    assert "TRAIN_EVAL_ACTION_CONSENSUS = @consensus.ConsensusMerge()" in body
+    assert "train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_CONSENSUS]}" in body
     assert "MERGE_LAST_K = 2" in body
     assert "ConsensusMerge" not in gin_bridge.body_of(gin_bridge.render(
         compose_config(TINY), "local", GIN_DIR))  # consensus=none adds nothing

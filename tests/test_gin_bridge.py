@@ -191,3 +191,25 @@ def test_includes_are_inlined_once_with_their_required_macros(tmp_path: Path) ->
     template = gin_bridge.load_template("top.gin", "model", tmp_path)
     assert template.required == ("X", "Y")
     assert "included from gin/top.gin:1" in template.text
+
+
+def test_actions_of_several_templates_are_joined_not_overwritten(tmp_path: Path) -> None:
+    """gin keeps only the last binding of a parameter: the bridge joins the actions."""
+    cfg = compose_config(["early_stopping=default", "consensus=last_k"])
+    text = gin_bridge.render(cfg, "local", GIN_DIR)
+    assert text.count("train_script.train.actions =") == 1
+    assert ("train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_EARLY_STOPPING, "
+            "%TRAIN_EVAL_ACTION_CONSENSUS]}") in text
+    (tmp_path / "config.gin").write_text(text)
+    gin_utils.parse(tmp_path / "config.gin", text)
+    actions = gin.get_bindings("train_script.train")["actions"]["TRAIN_EVAL"]
+    assert [type(a).__name__ for a in actions] == ["EarlyStoppingAction", "ConsensusMerge"]
+
+
+def test_a_template_binding_actions_itself_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "mine.gin").write_text(
+        "train_script.train.actions = {'TRAIN_EVAL': []}\n")
+    template = gin_bridge.load_template("runs/mine.gin", "trainer", tmp_path)
+    with pytest.raises(ConfigError, match="gin/runs/mine.gin binds train_script.train.actions"):
+        gin_bridge._actions_binding([template])
