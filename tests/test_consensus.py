@@ -308,3 +308,21 @@ def test_merges_run_shard_by_shard_on_a_device_mesh(setup) -> None:
                              str(setup["honest"][0].step_dir)], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "sharded ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.entry
+@pytest.mark.slow
+def test_capibara_exp_merge_console_script(setup, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    runs = ",".join(str(c.step_dir.parent) for c in setup["honest"][:3])
+    script = Path(sys.executable).parent / "capibara-exp-merge"
+    ok = subprocess.run([str(script), f"runs=[{runs}]", f"out={tmp_path / 'm'}", "method=median"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "m" / f"checkpoint_{LOCAL_STEPS}").is_dir()
+    assert (tmp_path / "m" / REPORT).is_file() and (tmp_path / "m" / "merge_metrics.png").is_file()
+    missing = subprocess.run([str(script), f"runs=[{runs}]"], capture_output=True, text=True,
+                             timeout=300)
+    assert missing.returncode == 2 and "missing mandatory value(s) out" in missing.stderr

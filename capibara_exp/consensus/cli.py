@@ -39,6 +39,12 @@ def run_merge(cfg: DictConfig) -> dict:
 def _app(cfg: DictConfig) -> None:
     from capibara_exp.consensus.gate import ConsensusError
 
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        print(f"capibara-exp-merge: missing mandatory value(s) {', '.join(missing)} "
+              f"({CONF_DIR / 'merge.yaml'}); e.g. 'runs=[outputs/a,outputs/b]' out=merged",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         rep = run_merge(cfg)
     except (ConsensusError, ValueError, FileNotFoundError) as err:

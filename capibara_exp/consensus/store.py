@@ -71,10 +71,14 @@ def last_k(model_dir: str | Path, k: int) -> list[Candidate]:
 
 def leaf_index(candidate: Candidate) -> dict[LeafPath, LeafInfo]:
     """Every leaf's path, shape, dtype and partition spec, from the checkpoint's metadata."""
-    with ocp.PyTreeCheckpointer() as ckptr:
-        meta = ckptr.metadata(candidate.state_dir)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
+    # The item's handler reads its tree metadata (the Checkpointer would also look for
+    # step metadata inside the item dir, and warn that it is not there).
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        meta = handler.metadata(candidate.state_dir)
+    finally:
+        handler.close()
+    tree = getattr(meta, "tree", meta)
     index = {}
     for path, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
         sharding = getattr(m, "sharding", None)
