@@ -218,12 +218,18 @@ def test_task_arithmetic_with_scale_one_over_n_is_the_mean(setup, tmp_path) -> N
 
 
 @pytest.mark.slow
-def test_fedavg_with_dp_reports_epsilon_and_learns(setup) -> None:
+def test_fedavg_with_dp_reports_epsilon_and_learns(setup, tmp_path) -> None:
     cfg = federated.FedConfig(num_clients=2, rounds=2, local_steps=2, clip_norm=0.05,
                               noise_multiplier=0.02)
-    state, rep = federated.fedavg(setup["parts"], cfg, setup["evaluator"])
+    state, rep = federated.fedavg(setup["parts"], cfg, setup["evaluator"], tmp_path)
     base_loss = setup["evaluator"].loss(read_tree(setup["base"].step_dir)["target"])
     assert rep["rounds"][-1]["val_loss"] < base_loss
+    written = read_tree(Path(rep["checkpoint"]))  # T5X layout, the global parameters
+    assert int(written["state"]["step"]) == 4
+    assert setup["evaluator"].loss(written["target"]) == pytest.approx(
+        rep["rounds"][-1]["val_loss"], rel=1e-6)
+    assert checkpoints.verify_manifest(Path(rep["checkpoint"])) == []
+    assert (tmp_path / federated.REPORT).is_file()
     assert 0 < rep["epsilon"] < float("inf") and int(state.step) == 4
     tighter = federated.epsilon(federated.FedConfig(rounds=2, clip_norm=1.0, noise_multiplier=0.5))
     assert tighter < rep["epsilon"]  # more noise, less privacy loss

@@ -11,7 +11,9 @@ accountant.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,6 +23,8 @@ import optax
 
 from capibara_exp.consensus.run import RunParts
 from capibara_exp.runtime.trainer import TrainState
+
+REPORT = "fedavg_report.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +93,13 @@ def epsilon(cfg: FedConfig) -> float | None:
     return float(accountant.get_epsilon(cfg.target_delta))
 
 
-def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None) -> tuple[TrainState, dict]:
-    """Run FedAvg; returns the global state and a report (loss per round, epsilon)."""
+def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None,
+           out_dir: str | Path | None = None) -> tuple[TrainState, dict]:
+    """Run FedAvg; returns the global state and a report (loss per round, epsilon).
+
+    With out_dir, the global state is written there as a T5X-layout checkpoint (with its
+    manifest) beside fedavg_report.json.
+    """
     trainer, global_state = build_trainer(parts, cfg.seed)
     streams = [client_batches(parts, c, cfg.num_clients) for c in range(cfg.num_clients)]
     rng = np.random.default_rng(cfg.seed)
@@ -114,6 +123,20 @@ def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None) -> tuple[Trai
                                             step=global_state.step + cfg.local_steps)
         history.append({"round": r + 1,
                         "val_loss": evaluator.loss(params) if evaluator is not None else None})
-    return global_state, {"rounds": history, "epsilon": epsilon(cfg),
-                          "delta": cfg.target_delta if epsilon(cfg) is not None else None,
-                          "config": dataclasses.asdict(cfg)}
+    eps = epsilon(cfg)
+    report = {"rounds": history, "epsilon": eps,
+              "delta": cfg.target_delta if eps is not None else None,
+              "config": dataclasses.asdict(cfg)}
+    if out_dir is not None:
+        from capibara_exp.runtime import checkpoints
+
+        out_dir = Path(out_dir).absolute()
+        mgr = checkpoints.manager(out_dir)
+        try:
+            step = int(jax.device_get(global_state.step))
+            checkpoints.save(mgr, step, global_state.state_dict())
+        finally:
+            mgr.close()
+        report["checkpoint"] = str(out_dir / f"{checkpoints.STEP_PREFIX}_{step}")
+        (out_dir / REPORT).write_text(json.dumps(report, indent=1))
+    return global_state, report
