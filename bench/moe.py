@@ -8,11 +8,13 @@ Each model trains through the local runtime's Trainer and partitioner:
   - on 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8):
     dense on an 8 x 1 data x model mesh, MoE on 2 x 4 x 1 data x expert x model.
 Each device count runs in its own subprocess (XLA_FLAGS is read once at JAX start-up); the
-parent prints both and the ratios. Utilisation = XLA-counted FLOPs per step / step time /
-this CPU's f32 matmul peak measured in the same process. On one CPU, 8 simulated devices
-share the same cores, so "8 vs 1" measures partitioning overhead, not a speed-up.
+parent alternates them for --rounds rounds and prints medians and ratios. Within a process
+the two models step in turn, so load from other jobs hits both alike. Utilisation =
+XLA-counted FLOPs per step / step time / this CPU's f32 matmul peak measured in the same
+process. On one CPU the 8 simulated devices share its cores: "8 vs 1" shows partitioning
+overhead and XLA's different CPU threading, not a multi-chip speed-up.
 
-    python bench/moe.py [--steps 15] [--batch 16] [--length 128]
+    python bench/moe.py [--steps 15] [--rounds 2] [--batch 16] [--length 128]
 """
 
 from __future__ import annotations
@@ -24,22 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-
-def matmul_peak_flops(n: int = 1024, repeats: int = 8) -> float:
-    """Best observed f32 FLOP/s of an n x n x n jitted matmul."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    mm(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def build(kind: str, devices: int):
@@ -64,52 +50,70 @@ def build(kind: str, devices: int):
             {"num_expert_partitions": expert_parts})
 
 
-def measure(kind: str, devices: int, steps: int, batch_size: int, length: int) -> dict:
-    """Median step seconds, XLA FLOPs per step and parameter counts of one model."""
-    import jax
-    import numpy as np
+class Runner:
+    """One model's trainer, state and device batch, stepped on demand."""
 
-    from capibara_exp.runtime.train_script import initial_state
+    def __init__(self, kind: str, devices: int, batch_size: int, length: int):
+        import jax
+        import numpy as np
 
-    model, partitioner, trainer_cls, extra = build(kind, devices)
-    state, axes = initial_state(model, jax.random.PRNGKey(0), batch_size, length)
-    trainer = trainer_cls(model=model, train_state=state, partitioner=partitioner, eval_names=[],
-                          summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(1),
-                          learning_rate_fn=lambda step: 1e-3, num_microbatches=None, **extra)
-    trainer.check_batch_size(batch_size)
-    tokens = np.random.default_rng(0).integers(3, 259, (batch_size, length)).astype(np.int32)
-    batch = jax.device_put({"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
-                            "decoder_loss_weights": np.ones_like(tokens, np.float32)},
-                           partitioner.data_sharding())
-    state = jax.device_put(state, trainer.state_shardings)
-    with partitioner.activation_context():
-        cost = trainer._train_step.lower(state, batch).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    for _ in range(2):  # compile and warm up
-        state, metrics = trainer.train_step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(steps):
+        from capibara_exp.runtime.train_script import initial_state
+
+        model, partitioner, trainer_cls, extra = build(kind, devices)
+        state, axes = initial_state(model, jax.random.PRNGKey(0), batch_size, length)
+        self.trainer = trainer_cls(
+            model=model, train_state=state, partitioner=partitioner, eval_names=[],
+            summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(1),
+            learning_rate_fn=lambda step: 1e-3, num_microbatches=None, **extra)
+        self.trainer.check_batch_size(batch_size)
+        tokens = np.random.default_rng(0).integers(3, 259, (batch_size, length)).astype(np.int32)
+        self.batch = jax.device_put(
+            {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
+             "decoder_loss_weights": np.ones_like(tokens, np.float32)},
+            partitioner.data_sharding())
+        self.state = jax.device_put(state, self.trainer.state_shardings)
+        with partitioner.activation_context():
+            lowered = self.trainer._train_step.lower(self.state, self.batch)
+            cost = lowered.compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        params = self.state.params
+        total = sum(x.size for x in jax.tree.leaves(params))
+        experts = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                      if "expert" in jax.tree_util.keystr(p))
+        num_experts = 4 if kind == "moe" else 1
+        self.info = {"xla_flops": float(cost.get("flops", 0.0)), "params": total,
+                     "active_params": total - experts + experts // num_experts,
+                     "tokens": batch_size * length}
+        self.times: list[float] = []
+        for _ in range(2):  # compile and warm up
+            self.step(record=False)
+
+    def step(self, record: bool = True) -> None:
+        import jax
+
         t0 = time.perf_counter()
-        state, metrics = trainer.train_step(state, batch)
+        self.state, metrics = self.trainer.train_step(self.state, self.batch)
         jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    params = state.params
-    total = sum(x.size for x in jax.tree.leaves(params))
-    experts = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-                  if "expert" in jax.tree_util.keystr(p))
-    num_experts = 4 if kind == "moe" else 1
-    return {"step_s": statistics.median(times), "xla_flops": float(cost.get("flops", 0.0)),
-            "params": total, "active_params": total - experts + experts // num_experts,
-            "tokens_per_s": batch_size * length / statistics.median(times)}
+        if record:
+            self.times.append(time.perf_counter() - t0)
+
+    def result(self) -> dict:
+        step_s = statistics.median(self.times)
+        return dict(self.info, step_s=step_s, tokens_per_s=self.info["tokens"] / step_s)
 
 
 def child(args: argparse.Namespace) -> None:
     import jax
 
-    out = {"devices": jax.device_count(), "peak_flops": matmul_peak_flops()}
-    for kind in ("dense", "moe"):
-        out[kind] = measure(kind, jax.device_count(), args.steps, args.batch, args.length)
+    from capibara_exp.runtime.metrics import matmul_peak_flops
+
+    devices = jax.device_count()
+    runners = {kind: Runner(kind, devices, args.batch, args.length) for kind in ("dense", "moe")}
+    for _ in range(args.steps):  # interleaved, so load from elsewhere hits both alike
+        for runner in runners.values():
+            runner.step()
+    out = {"devices": devices, "peak_flops": matmul_peak_flops()}
+    out.update({kind: runner.result() for kind, runner in runners.items()})
     print(json.dumps(out))
 
 
@@ -150,12 +154,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternate 1- and 8-device processes this many times")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    report({devices: run_child(devices, args) for devices in (1, 8)})
+    rounds = [{devices: run_child(devices, args) for devices in (1, 8)}
+              for _ in range(args.rounds)]
+    report({devices: median_run([r[devices] for r in rounds]) for devices in (1, 8)})
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per-figure medians over rounds: load from other jobs drifts between processes."""
+    out = dict(runs[0], peak_flops=statistics.median(r["peak_flops"] for r in runs))
+    for kind in ("dense", "moe"):
+        step_s = statistics.median(r[kind]["step_s"] for r in runs)
+        out[kind] = dict(runs[0][kind], step_s=step_s,
+                         tokens_per_s=runs[0][kind]["tokens"] / step_s)
+    return out
 
 
 if __name__ == "__main__":
