@@ -332,3 +332,18 @@ def test_capibara_exp_merge_console_script(setup, tmp_path) -> None:
     missing = subprocess.run([str(script), f"runs=[{runs}]"], capture_output=True, text=True,
                              timeout=300)
     assert missing.returncode == 2 and "missing mandatory value(s) out" in missing.stderr
+
+
+def test_weighted_merge_follows_the_given_weights(setup, tmp_path) -> None:
+    honest = setup["honest"][:3]
+    one_hot = merge(honest, MergeSpec("weighted", weights=(0.0, 1.0, 0.0)), tmp_path / "a",
+                    setup["evaluator"])
+    for got, want in zip(target_leaves(Path(one_hot["merged_checkpoint"])),
+                         target_leaves(honest[1].step_dir), strict=True):
+        np.testing.assert_array_equal(got, want)
+    bad = corrupt(setup, honest[0], "nan")
+    rep = merge([*honest, bad], MergeSpec("weighted", weights=(1.0, 1.0, 2.0, 5.0)),
+                tmp_path / "b", setup["evaluator"])
+    assert [r["weight"] for r in rep["candidates"]] == [0.25, 0.25, 0.5, None]  # renormalised
+    with pytest.raises(ValueError, match="one weight per candidate"):
+        merge(honest, MergeSpec("weighted", weights=(1.0,)), tmp_path / "c", setup["evaluator"])

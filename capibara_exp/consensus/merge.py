@@ -55,17 +55,24 @@ def _gram(candidates, reader, index) -> np.ndarray:
     return gram
 
 
-def solve(spec: MergeSpec, gate: GateResult, reader: LeafReader, evaluator: Any) -> dict:
-    """Per-candidate (or per-layer) weights, or the per-leaf function, and solver details."""
+def solve(spec: MergeSpec, gate: GateResult, reader: LeafReader, evaluator: Any,
+          names: Sequence[str]) -> dict:
+    """Weights over the accepted candidates (per layer too for `learned`) and solver details;
+    {} for the per-leaf methods. `names`: every candidate, in the order weights are given."""
     cands, n = gate.accepted, len(gate.accepted)
     m = spec.method
     if m == "uniform":
         return {"weights": methods.uniform_weights(n)}
     if m == "weighted":
-        if spec.weights is None or len(spec.weights) != len(gate.accepted) + len(gate.rejected):
-            raise ValueError(f"weights: method=weighted needs one weight per candidate, got "
-                             f"{spec.weights!r}")
-        return {"weights": "by_name"}
+        if spec.weights is None or len(spec.weights) != len(names):
+            raise ValueError(f"weights: method=weighted needs one weight per candidate "
+                             f"({len(names)}), got {spec.weights!r}")
+        by_name = dict(zip(names, spec.weights, strict=True))
+        w = np.array([by_name[c.name] for c in cands], np.float64)
+        if not (np.all(w >= 0) and w.sum() > 0):
+            raise ValueError(f"weights: must be >= 0 with a positive sum over the accepted "
+                             f"candidates, got {spec.weights!r}")
+        return {"weights": w / w.sum()}  # renormalised over the candidates that passed
     if m == "greedy_soup":
         w, log = soups.greedy_soup(cands, gate.val_loss, reader, gate.index, evaluator)
         return {"weights": w, "greedy_log": log}
@@ -103,6 +110,28 @@ def _leaf_fn(spec: MergeSpec, solved: dict, base_reader: tuple | None):
     raise AssertionError(f"{m}: a weight method reached the per-leaf dispatch")
 
 
+def _leaf_weights(solved: dict, path: tuple) -> np.ndarray | None:
+    """This leaf's weights: per layer for `learned` parameters; the optimizer state of
+    `learned` takes each candidate's mean layer weight."""
+    if "layer_weights" in solved and path in solved["group_of"]:
+        return solved["layer_weights"][:, solved["group_of"][path]]
+    return solved.get("weights")
+
+
+def _merge_leaves(gate: GateResult, solved: dict, fn: Any, reader: LeafReader) -> dict:
+    """The streaming pass: one leaf of each candidate at a time."""
+    flat = {}
+    for path, info in gate.index.items():
+        w = _leaf_weights(solved, path)
+        if w is None:
+            flat[path] = fn(path, [reader.read(c, path, info) for c in gate.accepted])
+            continue
+        keep = np.flatnonzero(np.asarray(w))  # zero-weight candidates are never read
+        flat[path] = methods.weighted_mean([reader.read(gate.accepted[i], path, info)
+                                            for i in keep], np.asarray(w)[keep])
+    return flat
+
+
 def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
           evaluator: Any = None, gate_cfg: GateConfig = GateConfig(),
           base: Candidate | None = None, mesh: Any = None) -> dict:
@@ -116,11 +145,7 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
         raise ValueError(f"method={spec.method} needs validation batches (an evaluator)")
     with LeafReader(mesh) as reader:
         gate = run_gate(list(candidates), reader, evaluator, gate_cfg)
-        solved = solve(spec, gate, reader, evaluator)
-        if isinstance(solved.get("weights"), str):  # weighted: the given weights by name
-            by_name = dict(zip([c.name for c in candidates], spec.weights, strict=True))
-            w = np.array([by_name[c.name] for c in gate.accepted], np.float64)
-            solved["weights"] = w / w.sum()
+        solved = solve(spec, gate, reader, evaluator, [c.name for c in candidates])
         base_reader = None
         if base is not None:
             base_index = leaf_index(base)
@@ -128,21 +153,8 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
             if bad:
                 raise ValueError(f"base {base.step_dir}: no leaf {'.'.join(bad[0])}")
             base_reader = (reader, base, base_index)
-        weights = solved.get("weights")
-        fn = _leaf_fn(spec, solved, base_reader) if weights is None else None
-        used = [c for i, c in enumerate(gate.accepted) if weights is None or weights[i] != 0]
-        used_w = None if weights is None else np.asarray(weights)[np.asarray(weights) != 0]
-        flat = {}
-        for path, info in gate.index.items():
-            leaves = [reader.read(c, path, info) for c in used]
-            if used_w is not None and (path not in solved.get("group_of", {})):
-                flat[path] = methods.weighted_mean(leaves, used_w)
-            elif used_w is not None:
-                layer = solved["layer_weights"][:, solved["group_of"][path]]
-                flat[path] = methods.weighted_mean(leaves, layer[np.asarray(weights) != 0])
-            else:
-                flat[path] = fn(path, leaves)
-            del leaves
+        fn = None if "weights" in solved else _leaf_fn(spec, solved, base_reader)
+        flat = _merge_leaves(gate, solved, fn, reader)
         step = max(c.step for c in gate.accepted)
         merged_loss = evaluator.loss(unflatten({p[1:]: v for p, v in flat.items()
                                                 if p[:1] == ("target",)})) if evaluator else None
