@@ -39,32 +39,46 @@ def build(candidates: Sequence[Any], spec: Any, gate: Any, solved: dict, merged_
     return rep
 
 
+def _axis_range(rows: list[dict], merged: float | None) -> tuple[float, float]:
+    """Scale to the accepted candidates and the merge, so a wild reject does not flatten them."""
+    inside = [r["val_loss"] for r in rows if r["accepted"] and np.isfinite(r["val_loss"])]
+    inside += [merged] if merged is not None and np.isfinite(merged) else []
+    if not inside:
+        inside = [r["val_loss"] for r in rows if np.isfinite(r["val_loss"])] or [1.0]
+    low, high = min(inside), max(inside)
+    pad = max(0.15 * (high - low), 0.02 * abs(high), 1e-3)
+    return low - pad, high + 2 * pad
+
+
 def plot(rep: dict, path: Path) -> Path:
-    """Bar per candidate (grey: rejected) and a line at the merged model's validation loss."""
+    """A bar per candidate (grey: rejected; hatched and labelled: off the scale, NaN or inf)
+    and a line at the merged model's validation loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in rep["candidates"] if r["val_loss"] is not None]
-    finite_max = max([r["val_loss"] for r in rows if np.isfinite(r["val_loss"])] or [1.0])
+    merged = rep["val_loss"]["merged"]
+    low, high = _axis_range(rows, merged)
     fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(rows) + 2), 3.6), dpi=110)
     for i, r in enumerate(rows):
-        value = r["val_loss"] if np.isfinite(r["val_loss"]) else finite_max * 1.1
-        ax.bar(i, value, color="tab:blue" if r["accepted"] else "0.75",
-               hatch=None if np.isfinite(r["val_loss"]) else "//")
-    merged = rep["val_loss"]["merged"]
+        loss = r["val_loss"]
+        off_scale = not loss <= high
+        ax.bar(i, (high if off_scale else loss) - low, bottom=low,
+               color="tab:blue" if r["accepted"] else "0.75", hatch="//" if off_scale else None)
+        if off_scale:
+            ax.text(i, high, f"{loss:.3g}" if np.isfinite(loss) else "NaN/inf", ha="center",
+                    va="top", fontsize=7, rotation=90,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     if merged is not None:
-        ax.axhline(merged, color="tab:red", lw=2, label=f"merged ({rep['method']['method']}): "
-                                                          f"{merged:.4f}")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.axhline(merged, color="tab:red", lw=2,
+                   label=f"merged ({rep['method']['method']}): {merged:.4f}")
+        ax.legend(loc="upper left", fontsize=8)
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_ylim(low, high)
     ax.set_ylabel("validation loss / token")
     ax.set_title("candidates (grey: rejected by the gate) vs merged", fontsize=9)
-    finite = [r["val_loss"] for r in rows if np.isfinite(r["val_loss"])] + (
-        [merged] if merged is not None else [])
-    low = min(finite) if finite else 0.0
-    ax.set_ylim(max(0.0, low - 0.1 * (finite_max - low + 1e-3) - 0.05), finite_max * 1.12)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
