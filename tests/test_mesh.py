@@ -135,7 +135,8 @@ def worker() -> dict:
             moe.MoePjitPartitioner(num_expert_partitions=8))),
         "batch": _error(lambda: moe_partitioner().check_batch_size(6)),
         "heads": _error(lambda: _run(_model(False, num_heads=4),
-                                     partitioning.PjitPartitioner(num_partitions=8), Trainer, False)),
+                                     partitioning.PjitPartitioner(num_partitions=8), Trainer,
+                                     False)),
         "batch_dense": _error(
             lambda: partitioning.PjitPartitioner(num_partitions=2).check_batch_size(6)),
     }

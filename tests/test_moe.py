@@ -160,6 +160,7 @@ def test_sows_t5x_moe_metrics_and_matches_dense_call_signature() -> None:
     assert 0.0 < float(means["router_confidence"]) <= 1.0
 
 
+@pytest.mark.slow
 def test_jitter_and_expert_dropout_act_only_in_training() -> None:
     net, variables = moe_net(router_jitter_noise=0.5, expert_dropout_rate=0.5)
     tokens = jax.random.randint(jax.random.PRNGKey(3), SHAPE, 1, 64)
@@ -190,6 +191,7 @@ def lm_batch(labels: bool = False) -> dict:
     return batch
 
 
+@pytest.mark.slow
 def test_moe_model_adds_the_scaled_aux_losses_and_reports_metrics() -> None:
     net, variables = moe_net()
     params, batch = variables["params"], lm_batch()
