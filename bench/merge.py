@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from capibara_exp.consensus import methods
+from capibara_exp.kernels import robust_agg
 
 
 def best_of(fn, repeats: int = 3) -> float:
@@ -48,6 +49,10 @@ def main() -> None:
             1, 2, args.n).sum()),
         "median": lambda: methods.median(leaves),
         "trimmed_mean": lambda: methods.trimmed_mean(leaves, 1),
+        # The kernels alone on host arrays: the rest of a merge step is the jax.Array
+        # round trip (device_put of the merged leaf into a fresh buffer).
+        "uniform, kernel only": lambda: robust_agg.weighted_sum_of(host, list(w)),
+        "median, kernel only": lambda: robust_agg.nanmedian_of(host),
         "np.median (baseline)": lambda: np.median(np.stack(host), axis=0),
     }
     for name, fn in cases.items():

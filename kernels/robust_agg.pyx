@@ -216,7 +216,7 @@ def weighted_sum_of(list arrays, weights):
         if f.size != m:
             raise ValueError(f"weighted_sum_of: candidates differ in size ({f.size} vs {m})")
     cdef float[::1] w = np.asarray(weights, np.float32)
-    out = np.zeros(m, np.float32)
+    out = np.empty(m, np.float32)  # the first candidate initialises it: no zeroing pass
     if m == 0:
         return out
     cdef float[::1] out_v = out
@@ -235,7 +235,11 @@ def weighted_sum_of(list arrays, weights):
             for start in range(0, m, 4 * BLOCK):  # the output block stays in L1
                 width = min(4 * BLOCK, m - start)
                 o = &out_v[start]
-                for i in range(n):
+                x = rows[0] + start
+                wi = w[0]
+                for j in range(width):
+                    o[j] = wi * x[j]
+                for i in range(1, n):
                     x = rows[i] + start
                     wi = w[i]
                     for j in range(width):
