@@ -266,7 +266,11 @@ def test_moe_e2b_experiments_compose_bridge_and_parse(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_moe_e2b_tiny_trains_a_few_steps_with_expert_metrics(tmp_path: Path, data_dir) -> None:
+    # bytes_lm, not the experiment's routing mixture: building that runs about 1,400 cells
+    # (tests/test_data_routing.py trains nothing but checks the mixture on a small build).
+    # EMA on: the MoE trainer takes the local engine's features like the dense one.
     cfg = compose_config([f"model_dir={tmp_path}", "experiment=moe_e2b_tiny", "debug=fast",
+                          "data=bytes_lm", "ema=default",
                           "model.emb_dim=32", "model.num_heads=2", "model.head_dim=16",
                           "model.mlp_dim=64", "data.batch_size=4",
                           "data.task_feature_lengths={targets: 64}"])

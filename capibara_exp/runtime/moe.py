@@ -204,13 +204,14 @@ class MoeTrainer(Trainer):
                  learning_rate_fn: Callable[[jnp.ndarray], jnp.ndarray],
                  num_microbatches: int | None, num_expert_partitions: int,
                  sharded_match_fn: Callable[[str], bool] | None = None,
-                 weight_metrics_computer: Any = None):
+                 weight_metrics_computer: Any = None, **local_features: Any):
+        # local_features: the local engine's EMA and skip-step settings, as for Trainer.
         check_expert_mesh(model, partitioner, num_expert_partitions)
         self.num_expert_partitions = num_expert_partitions
         self._is_expert = sharded_match_fn or re.compile(r".*expert.*").fullmatch
         super().__init__(model, train_state, partitioner, eval_names, summary_dir,
                          train_state_axes, rng, learning_rate_fn, num_microbatches,
-                         weight_metrics_computer)
+                         weight_metrics_computer, **local_features)
 
     def _grads(self, params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
         grads, sums = super()._grads(params, batch, rng)
