@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -17,6 +18,7 @@ from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
+ROUTING_TASKS = "capibara_exp.data.routing_tasks"
 T5X_INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI: on a TPU VM run "
                     "`pip install 'git+https://github.com/google-research/t5x'` (and libtpu for "
                     "TPUs), then re-run; engine=local trains the same config.gin without it.")
@@ -40,14 +42,20 @@ def title(choices: dict[str, str | None]) -> str:
     return f"From: capibara-exp {picked}"
 
 
-def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]) -> Path:
-    """Render config.gin for the configured engine, check it parses, and write it."""
+def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
+              before_check: Callable[[], object] | None = None) -> Path:
+    """Render config.gin for the configured engine, write it, and check that it parses.
+
+    `before_check` runs between the two: after the bridge's own errors, before the check
+    imports the runtime (JAX)."""
     engine = cfg.engine.name
     sources = config_sources(choices)
     text = gin_bridge.render(cfg, engine, GIN_DIR, sources, title(choices))
     path = run_dir / CONFIG_GIN
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    if before_check:
+        before_check()
     # The body is the same for every engine: check it against the local engine's
     # configurables (same names and parameters), before anything compiles.
     local_text = text if engine == "local" else gin_bridge.render(cfg, "local", GIN_DIR, sources,
@@ -58,6 +66,15 @@ def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]) ->
     return path
 
 
+def prepare_data(cfg: DictConfig) -> None:
+    """Build the routing data a run needs before JAX starts: its builder executes code in
+    subprocesses, and forking a process that runs JAX is unsafe (and JAX warns each time)."""
+    if cfg.data.get("mixture_or_task_module") == ROUTING_TASKS:
+        from capibara_exp.data import build
+
+        build.ensure_built(os.environ.get(DATA_DIR_ENV) or cfg.data_dir)
+
+
 def run(cfg: DictConfig) -> dict | None:
     """The task function behind `capibara-exp`: the final train_eval metrics (local engine)."""
     from hydra.core.hydra_config import HydraConfig
@@ -66,7 +83,7 @@ def run(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)
-    path = write_gin(cfg, run_dir, dict(hc.runtime.choices))
+    path = write_gin(cfg, run_dir, dict(hc.runtime.choices), lambda: prepare_data(cfg))
     print(f"capibara-exp: run dir {run_dir}", file=sys.stderr)
     engine = cfg.engine.name
     metrics = None
