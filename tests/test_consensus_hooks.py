@@ -88,3 +88,24 @@ def test_sweep_soup_merges_each_trials_final_checkpoint(tmp_path, data_dir) -> N
     assert [c["name"] for c in rep["candidates"]] == ["trial 0", "trial 1", "trial 2"]
     assert (tmp_path / "merged" / "checkpoint_2" / "state").is_dir()
     assert (tmp_path / "merged" / "merge_metrics.png").is_file()
+
+
+@pytest.mark.entry
+@pytest.mark.slow
+def test_multirun_with_sweep_soup_callback_merges_the_trials(tmp_path, data_dir) -> None:
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "capibara-exp"
+    sweep = tmp_path / "sweep"
+    cmd = [str(script), "-m", "consensus=sweep_soup",
+           "hydra.callbacks.consensus_soup.method=uniform", *TINY, "trainer.train_steps=2",
+           "trainer.eval_period=2", "checkpoint.checkpoint_period=2",
+           "schedule.base_learning_rate=1e-3,3e-3", f"hydra.sweep.dir={sweep}",
+           f"data_dir={data_dir}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "merged 2 of 2 trials (2 passed the gate)" in done.stderr
+    report = json.loads((sweep / "merged" / "merge_report.json").read_text())
+    assert [c["name"] for c in report["candidates"]] == ["trial 0", "trial 1"]
+    assert report["method"]["method"] == "uniform"

@@ -51,7 +51,10 @@ class SweepSoup(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rep = soup_sweep(sweep_dir, **self.options)
-        print(f"capibara-exp: souped {sum(r['accepted'] for r in rep['candidates'])} of "
-              f"{len(rep['candidates'])} trials into {rep['merged_checkpoint']} (val loss "
-              f"{rep['val_loss']['merged']:.4f}, best trial {rep['val_loss']['best_candidate']:.4f})",
+        rows = rep["candidates"]
+        # Per-leaf methods (median, ...) have no weights: every accepted trial takes part.
+        used = sum(1 for r in rows if r["accepted"] and (r["weight"] is None or r["weight"] > 0))
+        print(f"capibara-exp: merged {used} of {len(rows)} trials ({sum(r['accepted'] for r in rows)}"
+              f" passed the gate) into {rep['merged_checkpoint']}: val loss "
+              f"{rep['val_loss']['merged']:.4f}, best trial {rep['val_loss']['best_candidate']:.4f}",
               file=sys.stderr)
