@@ -103,7 +103,8 @@ def test_bit_flip_and_truncation_are_detected_and_excluded(setup, tmp_path) -> N
     victim.write_bytes(bytes(data))
     cut_file = cut / victim.relative_to(flipped)
     cut_file.write_bytes(cut_file.read_bytes()[:-7])
-    problems = checkpoints.verify_manifest(victim.parents[len(victim.relative_to(flipped).parts) - 2])
+    step_dir = flipped / f"checkpoint_{LOCAL_STEPS}"
+    problems = checkpoints.verify_manifest(step_dir)
     assert problems and "SHA-256 differs" in problems[0] and victim.name in problems[0]
     cands = [store.candidate_from_path(flipped, "flipped"), store.candidate_from_path(cut, "cut"),
              *setup["honest"][:3]]
@@ -156,7 +157,8 @@ def test_gate_rejects_every_kind_of_corrupted_candidate(setup, tmp_path) -> None
 def test_consensus_threshold_fails_the_merge_naming_the_rejects(setup, tmp_path) -> None:
     honest = setup["honest"][:2]
     bad = [corrupt(setup, setup["honest"][0], "nan"), corrupt(setup, setup["honest"][1], "noise")]
-    with pytest.raises(ConsensusError, match=r"(?s)consensus not reached: 2 of 4 .*bad_nan: non-finite"):
+    with pytest.raises(ConsensusError,
+                       match=r"(?s)consensus not reached: 2 of 4 .*bad_nan: non-finite"):
         merge([*honest, *bad], MergeSpec("uniform"), tmp_path, setup["evaluator"],
               GateConfig(min_pass_fraction=0.75))
     assert not (tmp_path / REPORT).exists()
@@ -173,7 +175,8 @@ def test_structurally_different_candidate_is_rejected(setup, tmp_path) -> None:
 
 
 def test_krum_selects_an_honest_candidate(setup, tmp_path) -> None:
-    bad = [corrupt(setup, setup["honest"][0], "scaled"), corrupt(setup, setup["honest"][1], "noise")]
+    bad = [corrupt(setup, setup["honest"][0], "scaled"),
+           corrupt(setup, setup["honest"][1], "noise")]
     rep = merge([*setup["honest"], *bad], MergeSpec("krum", num_byzantine=2), tmp_path,
                 setup["evaluator"], OFF)
     chosen = [r["name"] for r in rep["candidates"] if r["weight"]]

@@ -54,7 +54,8 @@ class SweepSoup(Callback):
         rows = rep["candidates"]
         # Per-leaf methods (median, ...) have no weights: every accepted trial takes part.
         used = sum(1 for r in rows if r["accepted"] and (r["weight"] is None or r["weight"] > 0))
-        print(f"capibara-exp: merged {used} of {len(rows)} trials ({sum(r['accepted'] for r in rows)}"
-              f" passed the gate) into {rep['merged_checkpoint']}: val loss "
-              f"{rep['val_loss']['merged']:.4f}, best trial {rep['val_loss']['best_candidate']:.4f}",
-              file=sys.stderr)
+        passed = sum(r["accepted"] for r in rows)
+        loss = rep["val_loss"]
+        print(f"capibara-exp: merged {used} of {len(rows)} trials ({passed} passed the gate) "
+              f"into {rep['merged_checkpoint']}: val loss {loss['merged']:.4f}, best trial "
+              f"{loss['best_candidate']:.4f}", file=sys.stderr)

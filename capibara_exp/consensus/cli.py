@@ -20,7 +20,8 @@ def run_merge(cfg: DictConfig) -> dict:
     runs = [cfg.runs] if isinstance(cfg.runs, str) else list(cfg.runs)
     if cfg.last_k:
         if len(runs) != 1:
-            raise ValueError(f"last_k={cfg.last_k} merges one run's checkpoints; runs has {len(runs)}")
+            raise ValueError(f"last_k={cfg.last_k} merges one run's checkpoints; "
+                             f"runs has {len(runs)}")
         candidates = store.last_k(runs[0], int(cfg.last_k))
     else:
         candidates = [store.candidate_from_path(r) for r in runs]

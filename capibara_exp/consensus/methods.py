@@ -63,7 +63,8 @@ def median(leaves: Sequence[jax.Array]) -> jax.Array:
     if not _is_float(leaves[0]):
         return _integer_leaf(leaves)
     dtype = leaves[0].dtype
-    return _shardwise(leaves, lambda parts: robust_agg.nanmedian_of(parts).astype(dtype, copy=False))
+    return _shardwise(leaves,
+                      lambda parts: robust_agg.nanmedian_of(parts).astype(dtype, copy=False))
 
 
 def trimmed_mean(leaves: Sequence[jax.Array], trim: int) -> jax.Array:

@@ -9,7 +9,6 @@ with when this process has the devices for it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,10 +158,6 @@ def unflatten(flat: dict[LeafPath, Any]) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return tree
-
-
-def iter_paths(index: dict[LeafPath, LeafInfo], prefix: LeafPath = ()) -> Iterator[LeafPath]:
-    return (p for p in index if p[: len(prefix)] == prefix)
 
 
 def write(model_dir: str | Path, step: int, flat: dict[LeafPath, Any]) -> Path:
