@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
-from jax.sharding import Mesh
 
+from capibara_exp.data import packing
 from capibara_exp.runtime import partitioning
 from capibara_exp.runtime.config import reject_unsupported
 from capibara_exp.runtime.models import Batch, DecoderOnlyModel
@@ -63,8 +63,9 @@ def per_layer_metrics(intermediates: Any) -> dict[str, jnp.ndarray]:
 
 def router_supervision(intermediates: Any, labels: jnp.ndarray, real_BxL: jnp.ndarray
                        ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(cross-entropy, accuracy) of every MoE router against domain labels, over labelled
-    real tokens; label d asks for expert d mod num_experts, a negative label for none."""
+    """(cross-entropy, accuracy) of every MoE router against domain labels ([batch] or
+    [batch, length]), over labelled real tokens; label d asks for expert d mod num_experts,
+    a negative label for none."""
     logits = list(sown_by_layer(intermediates, "router_logits").values())
     if not logits:
         raise ValueError("MoeDecoderOnlyModel.router_label_feature is set but the module "
@@ -90,8 +91,11 @@ class MoeDecoderOnlyModel(DecoderOnlyModel):
     As in T5X, `aux_loss_factor * mean_layers(auxiliary_loss)` and the router z-loss term
     are added to the token loss as it stands: a sum over tokens unless
     loss_normalizing_factor is set, so the factors weigh more with a normalised loss.
-    The local engine also takes `router_label_feature` (a batch feature of domain ids,
-    [batch] or [batch, length]) and `router_supervision_factor` to teach the routers.
+    The local engine also takes `router_label_feature` and `router_supervision_factor` to
+    teach the routers (conf: router_supervision=domain): the feature is an integer task
+    feature, one label per example (the routing tasks' `domain_id`); the model's feature
+    converter asks the input pipeline to carry it per token through packing, as the batch
+    feature `decoder_<name>` (-1 on padding), and label d asks for expert d mod E.
     """
 
     def __init__(self, module: Any, vocabulary: Any, optimizer_def: Any, decode_fn: Any = None,
@@ -115,6 +119,9 @@ class MoeDecoderOnlyModel(DecoderOnlyModel):
         self.router_z_loss_factor = router_z_loss_factor
         self.router_label_feature = router_label_feature
         self.router_supervision_factor = router_supervision_factor
+        if router_label_feature:
+            self.FEATURE_CONVERTER_CLS = packing.carrying_labels(self.FEATURE_CONVERTER_CLS,
+                                                                 router_label_feature)
 
     def loss_fn(self, params: Any, batch: Batch, dropout_rng: jax.Array | None
                 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
@@ -131,11 +138,12 @@ class MoeDecoderOnlyModel(DecoderOnlyModel):
                    **{f"experts/{k}": means[k] for k in MOE_METRICS[2:]},
                    **per_layer_metrics(inter)}
         if self.router_label_feature:
-            if self.router_label_feature not in batch:
-                raise KeyError(f"moe_models.MoeDecoderOnlyModel.router_label_feature: the batch "
-                               f"has no feature '{self.router_label_feature}' "
+            key = packing.label_batch_feature(self.router_label_feature)
+            if key not in batch:
+                raise KeyError(f"moe_models.MoeDecoderOnlyModel.router_label_feature="
+                               f"'{self.router_label_feature}': the batch has no feature '{key}' "
                                f"(features: {sorted(batch)})")
-            xent, accuracy = router_supervision(inter, batch[self.router_label_feature],
+            xent, accuracy = router_supervision(inter, batch[key],
                                                 batch["decoder_target_tokens"] > 0)
             loss = loss + self.router_supervision_factor * xent
             metrics.update({"experts/router_supervision_loss": xent,
@@ -179,16 +187,14 @@ class MoePjitPartitioner(partitioning.PjitPartitioner):
         super().__init__(num_partitions, model_parallel_submesh, params_on_devices,
                          logical_axis_rules=logical_axis_rules or standard_logical_axis_rules())
 
-    def _make_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
-        dense = super()._make_mesh(devices)
-        data, model = dense.devices.shape
+    def mesh_shape(self, num_devices: int) -> dict[str, int]:
+        data, model = super().mesh_shape(num_devices).values()
         experts = self.num_expert_partitions
         if data % experts:
             raise ValueError(
                 f"moe_partitioning.MoePjitPartitioner: num_expert_partitions={experts} does not "
-                f"divide the data axis ({len(devices)} devices / num_partitions={model} = {data})")
-        return Mesh(dense.devices.reshape(data // experts, experts, model),
-                    ("data", "expert", "model"))
+                f"divide the data axis ({num_devices} devices / num_partitions={model} = {data})")
+        return {"data": data // experts, "expert": experts, "model": model}
 
 
 def _path_name(path: tuple) -> str:

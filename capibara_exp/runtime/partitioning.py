@@ -8,19 +8,52 @@ with_sharding_constraint) become real constraints instead of no-ops.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capibara_exp.runtime.config import reject_unsupported
 
 LogicalRules = Sequence[tuple[str, str | None]]
+# Devices a partitioner lays its mesh over when not jax.devices(): the chips of a TPU
+# topology that the mesh planner compiles for ahead of time (see `target_devices`).
+_TARGET_DEVICES: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar(
+    "capibara_target_devices", default=None)
+
+
+@contextlib.contextmanager
+def target_devices(devices: Sequence[Any]) -> Iterator[None]:
+    """Partitioners made inside lay their meshes over `devices` instead of jax.devices()."""
+    token = _TARGET_DEVICES.set(list(devices))
+    try:
+        yield
+    finally:
+        _TARGET_DEVICES.reset(token)
+
+
+def mesh_devices() -> list[Any]:
+    """The devices a partitioner made now lays its mesh over."""
+    return list(_TARGET_DEVICES.get() or jax.devices())
+
+
+def device_mesh(shape: dict[str, int], devices: Sequence[Any]) -> Mesh:
+    """A mesh of named axes over devices. On TPUs the devices are placed by their physical
+    coordinates, so each mesh axis runs along ICI links (T5X and MaxText do the same)."""
+    sizes = tuple(shape.values())
+    if devices[0].platform == "tpu":
+        # 32x2 or 16x4 on an 8x8 slice splits a physical axis; allowed, at some ICI cost.
+        grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    else:
+        grid = np.asarray(devices).reshape(sizes)
+    return Mesh(grid, tuple(shape))
 
 
 def standard_logical_axis_rules(
@@ -79,15 +112,17 @@ class PjitPartitioner:
         if not params_on_devices:
             reject_unsupported("partitioning.PjitPartitioner", params_on_devices="False")
         self.num_model_partitions = model_partitions(num_partitions, model_parallel_submesh)
-        self.mesh = self._make_mesh(jax.devices())
+        devices = mesh_devices()
+        self.mesh = device_mesh(self.mesh_shape(len(devices)), devices)
         self.logical_axis_rules = tuple(logical_axis_rules or standard_logical_axis_rules())
 
-    def _make_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
+    def mesh_shape(self, num_devices: int) -> dict[str, int]:
+        """Mesh axis -> size for a device count; an error naming the values if it does not fit."""
         model = self.num_model_partitions
-        if len(devices) % model:
+        if num_devices % model:
             raise ValueError(f"partitioning.PjitPartitioner: num_partitions={model} model "
-                             f"partitions do not divide the {len(devices)} available devices")
-        return Mesh(np.asarray(devices).reshape(len(devices) // model, model), ("data", "model"))
+                             f"partitions do not divide the {num_devices} available devices")
+        return {"data": num_devices // model, "model": model}
 
     # Mesh axes the batch dimension is split over (T5X: data_partition_spec).
     batch_axes: tuple[str, ...] = ("data",)
