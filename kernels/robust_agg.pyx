@@ -154,19 +154,46 @@ cdef void _core(const float** rows, Py_ssize_t n, Py_ssize_t m, float* out, int 
             out[start + j] = <float> (total / (c - 2 * k))
 
 
-def _run(list arrays, int mode, Py_ssize_t trim):
-    cdef Py_ssize_t n = len(arrays), i, p = 1
-    if n == 0:
-        raise ValueError("robust_agg: no candidates")
+def _flat_rows(list arrays, str who):
+    """Each array as a contiguous float32 vector (no copy when it already is one)."""
+    if not arrays:
+        raise ValueError(f"{who}: no candidates")
     flat = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in arrays]
-    cdef Py_ssize_t m = flat[0].size
     for f in flat:
-        if f.size != m:
-            raise ValueError(f"robust_agg: candidates differ in size ({f.size} vs {m})")
+        if f.size != flat[0].size:
+            raise ValueError(f"{who}: candidates differ in size ({f.size} vs {flat[0].size})")
+    return flat
+
+
+def _output(list flat, out, str who):
+    """A fresh float32 vector, or `out` checked: contiguous float32 of the right size, and
+    either the first candidate's own buffer (the kernels read each position of every
+    candidate before writing it) or memory shared with no candidate."""
+    cdef Py_ssize_t m = flat[0].size
+    if out is None:
+        return np.empty(m, np.float32)
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.size == m
+            and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError(f"{who}: out must be a writeable C-contiguous float32 array of "
+                         f"{m} elements")
+    out_flat = out.reshape(-1)
+    for i, f in enumerate(flat):
+        if np.may_share_memory(out_flat, f) and not (
+                i == 0 and out_flat.__array_interface__["data"][0]
+                == f.__array_interface__["data"][0]):
+            raise ValueError(f"{who}: out overlaps candidate {i}; it may only be candidate 0 "
+                             "itself or memory apart from every candidate")
+    return out_flat
+
+
+def _run(list arrays, int mode, Py_ssize_t trim, out=None):
+    cdef Py_ssize_t n = len(arrays), i, p = 1
+    flat = _flat_rows(arrays, "robust_agg")
+    cdef Py_ssize_t m = flat[0].size
     while p < n:
         p *= 2
     cdef int[:, ::1] pairs = batcher_pairs(p)
-    out = np.empty(m, np.float32)
+    out = _output(flat, out, "robust_agg")
     cdef float[::1] out_v = out
     cdef const float[::1] row_v
     cdef const float** rows = <const float**> malloc(n * sizeof(float*))
@@ -202,30 +229,33 @@ def nan_trimmed_mean(x_NxM, Py_ssize_t trim):
     return _run(list(np.asarray(x_NxM, np.float32)), TRIMMED, trim)
 
 
-def nanmedian_of(list arrays):
-    """nanmedian over a list of same-size arrays (no [N, M] stack is built)."""
-    return _run(arrays, MEDIAN, 0)
+def nanmedian_of(list arrays, out=None):
+    """nanmedian over a list of same-size arrays (no [N, M] stack is built).
+
+    out: where to write the result (flat); it may be arrays[0] itself, so a merge that
+    owns its read buffers writes no fresh memory."""
+    return _run(arrays, MEDIAN, 0, out)
 
 
-def nan_trimmed_mean_of(list arrays, Py_ssize_t trim):
-    """nan_trimmed_mean over a list of same-size arrays."""
+def nan_trimmed_mean_of(list arrays, Py_ssize_t trim, out=None):
+    """nan_trimmed_mean over a list of same-size arrays (out: as for nanmedian_of)."""
     if trim < 0:
         raise ValueError(f"trim must be >= 0, got {trim}")
-    return _run(arrays, TRIMMED, trim)
+    return _run(arrays, TRIMMED, trim, out)
 
 
-def weighted_sum_of(list arrays, weights):
-    """sum_i w_i x_i in float32, accumulated in candidate order per element (cache-blocked)."""
+def weighted_sum_of(list arrays, weights, out=None):
+    """sum_i w_i x_i in float32, accumulated in candidate order per element (cache-blocked).
+
+    out: as for nanmedian_of (arrays[0] itself is safe: each element of it is read once,
+    before that element is written)."""
     cdef Py_ssize_t n = len(arrays), i, j, start, width
     if n == 0 or len(weights) != n:
         raise ValueError(f"weighted_sum_of: {n} arrays and {len(weights)} weights")
-    flat = [np.ascontiguousarray(a, np.float32).reshape(-1) for a in arrays]
+    flat = _flat_rows(arrays, "weighted_sum_of")
     cdef Py_ssize_t m = flat[0].size
-    for f in flat:
-        if f.size != m:
-            raise ValueError(f"weighted_sum_of: candidates differ in size ({f.size} vs {m})")
     cdef float[::1] w = np.asarray(weights, np.float32)
-    out = np.empty(m, np.float32)  # the first candidate initialises it: no zeroing pass
+    out = _output(flat, out, "weighted_sum_of")  # the first candidate initialises it
     if m == 0:
         return out
     cdef float[::1] out_v = out

@@ -94,3 +94,33 @@ def test_batcher_network_sorts_every_zero_one_input() -> None:
             if x[a] > x[b]:
                 x[a], x[b] = x[b], x[a]
         assert x == sorted(x)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_STACKS, st.integers(0, 3))
+def test_writing_into_the_first_candidate_matches_a_fresh_output(x_NxM: np.ndarray,
+                                                                 trim: int) -> None:
+    """A merge hands its read buffers over: the result may overwrite candidate 0."""
+    weights = list(np.linspace(0.1, 1.0, len(x_NxM)))
+    cases = [(robust_agg.nanmedian_of, (), robust_agg_ref.nanmedian(x_NxM)),
+             (robust_agg.nan_trimmed_mean_of, (trim,),
+              robust_agg_ref.nan_trimmed_mean(x_NxM, trim)),
+             (robust_agg.weighted_sum_of, (weights,),
+              robust_agg_ref.weighted_sum_of(list(x_NxM), weights))]
+    for fn, args, want in cases:
+        rows = [np.array(r) for r in x_NxM]
+        got = fn(rows, *args, out=rows[0])
+        assert np.shares_memory(got, rows[0])
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_output_overlapping_another_candidate_is_refused() -> None:
+    buf = np.arange(9, dtype=np.float32)
+    rows = [buf[:8], *(np.arange(8, dtype=np.float32) + i for i in (1, 2))]
+    for fn, args in ((robust_agg.nanmedian_of, ()), (robust_agg.weighted_sum_of, ([1.0] * 3,))):
+        with pytest.raises(ValueError, match="out overlaps candidate 1"):
+            fn(rows, *args, out=rows[1])
+        with pytest.raises(ValueError, match="out overlaps candidate 0"):
+            fn(rows, *args, out=buf[1:])  # shifted by one: later elements read after written
+        with pytest.raises(ValueError, match="writeable C-contiguous float32"):
+            fn(rows, *args, out=np.empty(8, np.float64))
