@@ -11,16 +11,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from e2b_code_interpreter.models import Execution, ExecutionError, Logs, Result
 
-from capibara_exp.data.quarantine import MISSING_FIELD, WRONG_TYPE, Quarantine, read_json_lines
+from capibara_exp.data.quarantine import (
+    MISSING_FIELD,
+    OUT_OF_RANGE,
+    WRONG_TYPE,
+    Quarantine,
+    read_json_lines,
+)
 
 LANGUAGES = ("python", "sql", "javascript")
-# Result formats kept in the log (images and charts are not training text).
-_RESULT_FIELDS = ("text", "html", "markdown", "latex", "json", "javascript", "data", "extra")
+# Result formats kept in the log, with their types in E2B's `Result` (images and charts
+# are not training text and are dropped).
+_RESULT_FIELDS: dict[str, tuple[type, ...]] = {
+    "text": (str,),
+    "html": (str,),
+    "markdown": (str,),
+    "latex": (str,),
+    "json": (dict,),
+    "javascript": (str,),
+    "data": (dict,),
+    "extra": (dict,),
+}
 
 
 @dataclasses.dataclass
@@ -39,7 +57,19 @@ class ExecutionRecord:
 
     @property
     def succeeded(self) -> bool:
-        return self.execution.error is None
+        """No error, or the exception its doctest documents (a doctest passes on it too)."""
+        return self.execution.error is None or self.raised_as_expected
+
+    @property
+    def raised_as_expected(self) -> bool:
+        """The error is the exception that the expected output's traceback ends with."""
+        err, (_, want) = self.execution.error, split_expected(self.expected_output)
+        if err is None or want is None:
+            return False
+        name, _, message = want.partition(":")
+        if name.strip().rsplit(".", 1)[-1] != err.name:
+            return False
+        return "IGNORE_EXCEPTION_DETAIL" in self.code or _same_text(message, err.value)
 
     @property
     def output_text(self) -> str:
@@ -72,6 +102,34 @@ class ExecutionRecord:
             "source": self.source,
             "expected_output": self.expected_output,
         }
+
+
+_TRACEBACK_HEADER = re.compile(r"^Traceback \((?:most recent call|innermost) last\):\s*$", re.M)
+
+
+def split_expected(expected: str | None) -> tuple[str, str | None]:
+    """A doctest's expected output: (what it prints, the exception line it ends with or None).
+
+    As doctest reads a traceback: after the header, the stack is indented (or '...') and
+    the exception starts at the first line that begins with a letter, digit or '_'.
+    """
+    headers = list(_TRACEBACK_HEADER.finditer(expected or ""))
+    if not headers:
+        return expected or "", None
+    header = headers[-1]
+    lines = expected[header.end() :].splitlines()
+    start = next((i for i, line in enumerate(lines) if line[:1].isalnum() or line[:1] == "_"), None)
+    if start is None:
+        return expected, None
+    return expected[: header.start()], "\n".join(lines[start:]).strip()
+
+
+def _same_text(want: str, got: str) -> bool:
+    """Equal up to whitespace; '...' in `want` stands for any text (doctest's ELLIPSIS)."""
+    want, got = " ".join(want.split()), " ".join(got.split())
+    if "..." not in want:
+        return want == got
+    return re.fullmatch(".*?".join(map(re.escape, want.split("..."))), got, re.S) is not None
 
 
 def _result_dict(result: Result) -> dict:
@@ -123,8 +181,10 @@ def record_from_json(obj: dict) -> ExecutionRecord:
     for i, r in enumerate(_field(ex, "results", (list,), "execution.", optional=True) or []):
         if not isinstance(r, dict):
             raise RecordError(WRONG_TYPE, f"execution.results[{i}] must be an object")
-        _field(r, "text", (str,), f"execution.results[{i}].", optional=True)
-        results.append(Result(**r))
+        where = f"execution.results[{i}]."
+        kept = {k: _field(r, k, types, where, optional=True) for k, types in _RESULT_FIELDS.items()}
+        main = _field(r, "is_main_result", (bool,), where, optional=True)
+        results.append(Result(**kept, is_main_result=bool(main)))
     error = _field(ex, "error", (dict,), "execution.", optional=True)
     if error is not None:
         error = ExecutionError(
@@ -133,6 +193,9 @@ def record_from_json(obj: dict) -> ExecutionRecord:
                 for k in ("name", "value", "traceback")
             }
         )
+    count = _field(ex, "execution_count", (int,), "execution.", optional=True)
+    if count is not None and count < 0:
+        raise RecordError(OUT_OF_RANGE, f"execution.execution_count must be >= 0, got {count}")
     execution = Execution(
         results=results,
         error=error,
@@ -140,11 +203,11 @@ def record_from_json(obj: dict) -> ExecutionRecord:
             stdout=_str_list(logs, "stdout", "execution.logs."),
             stderr=_str_list(logs, "stderr", "execution.logs."),
         ),
-        execution_count=_field(ex, "execution_count", (int,), "execution.", optional=True),
+        execution_count=count,
     )
     duration = _field(obj, "duration_ms", (int, float), "")
-    if duration < 0:
-        raise RecordError(WRONG_TYPE, f"duration_ms must be >= 0, got {duration}")
+    if not math.isfinite(duration) or duration < 0:
+        raise RecordError(OUT_OF_RANGE, f"duration_ms must be a finite number >= 0, got {duration}")
     return ExecutionRecord(
         id=_field(obj, "id", (str,), ""),
         language=language,

@@ -10,7 +10,7 @@ import ast
 import difflib
 import re
 
-from capibara_exp.data.e2b_records import ExecutionRecord
+from capibara_exp.data.e2b_records import ExecutionRecord, split_expected
 
 _LANG_PATTERNS = {
     "python": [
@@ -137,7 +137,10 @@ def expected_match(record: ExecutionRecord) -> float | None:
     """How closely the output matches the documented output (doctests), 0..1; None if none."""
     if record.expected_output is None:
         return None
-    want, got = _normalise_output(record.expected_output), _normalise_output(record.output_text)
+    expected = record.expected_output
+    if record.raised_as_expected:  # the traceback is matched by the error, not the output
+        expected = split_expected(expected)[0]
+    want, got = _normalise_output(expected), _normalise_output(record.output_text)
     if want == got:
         return 1.0
     return difflib.SequenceMatcher(None, want, got, autojunk=False).ratio()

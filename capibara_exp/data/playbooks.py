@@ -16,7 +16,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from capibara_exp.data import routing
-from capibara_exp.data.quarantine import MISSING_FIELD, WRONG_TYPE, Quarantine, read_json_lines
+from capibara_exp.data.quarantine import (
+    MISSING_FIELD,
+    OUT_OF_RANGE,
+    WRONG_TYPE,
+    Quarantine,
+    read_json_lines,
+)
 
 _FEATURE_ADVICE = {
     "functions": "Factor the work into small functions",
@@ -125,6 +131,27 @@ def derive(examples: list[dict]) -> list[dict]:
     return out
 
 
+def _number_in(obj: dict, key: str, low: float, high: float) -> str | None:
+    value = obj[key]
+    if not (math.isfinite(value) and low <= value <= high):
+        return f"{OUT_OF_RANGE}: {key} must be in [{low}, {high}], got {value}"
+    return None
+
+
+def _check_entry(i: int, entry) -> str | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+        return f"{WRONG_TYPE}: entries[{i}] must be an object with a string 'content'"
+    if not isinstance(entry.get("section", ""), str):
+        return f"{WRONG_TYPE}: entries[{i}].section must be str"
+    for count in ("helpful", "harmful"):
+        value = entry.get(count, 0)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{WRONG_TYPE}: entries[{i}].{count} must be int, got {type(value).__name__}"
+        if value < 0:
+            return f"{OUT_OF_RANGE}: entries[{i}].{count} must be >= 0, got {value}"
+    return None
+
+
 def validate(obj: dict) -> str | None:
     """None for a valid playbook, else '<reason>: <detail>' naming the field."""
     for key, types in _FIELDS.items():
@@ -134,9 +161,22 @@ def validate(obj: dict) -> str | None:
             return f"{WRONG_TYPE}: {key} must be {'/'.join(t.__name__ for t in types)}"
     if obj["domain"] not in routing.DOMAINS:
         return f"{WRONG_TYPE}: domain must be one of {routing.DOMAINS}, got {obj['domain']!r}"
+    if obj["interactions"] < 1:
+        return f"{OUT_OF_RANGE}: interactions must be >= 1, got {obj['interactions']}"
+    problem = _number_in(obj, "success_rate", 0.0, 1.0) or _number_in(
+        obj, "graduation_score", 0.0, 1.0
+    )
+    if problem:
+        return problem
+    for domain, share in obj["domain_expertise"].items():
+        if not isinstance(share, (int, float)) or isinstance(share, bool):
+            return f"{WRONG_TYPE}: domain_expertise[{domain!r}] must be a number"
+        if not (math.isfinite(share) and 0.0 <= share <= 1.0):
+            return f"{OUT_OF_RANGE}: domain_expertise[{domain!r}] must be in [0, 1], got {share}"
     for i, entry in enumerate(obj["entries"]):
-        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
-            return f"{WRONG_TYPE}: entries[{i}] must be an object with a string 'content'"
+        problem = _check_entry(i, entry)
+        if problem:
+            return problem
     return None
 
 
@@ -191,7 +231,9 @@ def consolidate(playbooks: list[dict], filters: PlaybookFilters) -> tuple[list[d
 def _merge(a: dict, b: dict) -> dict:
     """Two playbooks of one agent: interaction-weighted rates, entries of both."""
     n = a["interactions"] + b["interactions"]
-    mix = lambda k: round((a[k] * a["interactions"] + b[k] * b["interactions"]) / n, 4)  # noqa: E731
+    # validate() keeps interactions >= 1; equal weights if unvalidated playbooks have none
+    wa, wb = (a["interactions"], b["interactions"]) if n > 0 else (1, 1)
+    mix = lambda k: round((a[k] * wa + b[k] * wb) / (wa + wb), 4)  # noqa: E731
     return {
         **a,
         "interactions": n,

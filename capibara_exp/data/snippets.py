@@ -120,6 +120,10 @@ def _doctest_snippets(
                 examples = parser.get_examples(doc)
             except ValueError:
                 continue  # a malformed doctest in the docstring itself
+            # A cell stops at its first exception where doctest goes on: end the cell with the
+            # first example that documents one, so the cell's error is the documented one.
+            raising = next((i for i, ex in enumerate(examples) if ex.exc_msg is not None), None)
+            examples = examples if raising is None else examples[: raising + 1]
             code = "".join(ex.source for ex in examples)
             if not examples or len(code) > MAX_CODE_CHARS:
                 continue
