@@ -30,16 +30,32 @@ SOURCES: dict[str, Callable[[], Iterator[snippets.Snippet]]] = {
 CELLS_PER_PROCESS = 48
 
 
-def gather(sources: Iterable[str], max_per_source: int | None) -> list[snippets.Snippet]:
-    """The snippets of the named sources, in a fixed order (at most max_per_source each)."""
-    out = []
+def gather(
+    sources: Iterable[str], max_per_source: int | None, limits: sandbox.Limits | None = None
+) -> tuple[list[snippets.Snippet], dict]:
+    """The snippets of the named sources in a fixed order (at most max_per_source each), and
+    what was left out: JavaScript that node cannot parse (README fragments: `...`, shell
+    lines, pseudo-code) is screened out before it runs; without node there is none."""
+    out, stats = [], {}
     for name in sources:
         if name not in SOURCES:
             raise ValueError(f"collector source '{name}' is unknown (known: {', '.join(SOURCES)})")
-        if name == "markdown_javascript" and sandbox.node_binary() is None:
-            continue  # node is not installed: no JavaScript here
-        out += itertools.islice(SOURCES[name](), max_per_source)
-    return out
+        found = SOURCES[name]()
+        if name == "markdown_javascript":
+            if sandbox.node_binary() is None:
+                stats[name] = {"snippets": 0, "skipped": "node is not installed"}
+                continue
+            found = list(found)
+            errors = sandbox.javascript_syntax_errors(
+                {str(i): s.code for i, s in enumerate(found)}, limits or sandbox.Limits()
+            )
+            kept = [s for i, s in enumerate(found) if str(i) not in errors]
+            stats[name] = {"syntax_errors_screened_out": len(found) - len(kept)}
+            found = kept
+        items = list(itertools.islice(found, max_per_source))
+        stats[name] = {"snippets": len(items), **stats.get(name, {})}
+        out += items
+    return out, stats
 
 
 def _record(snippet: snippets.Snippet, out: dict, meta: dict) -> ExecutionRecord:
@@ -144,14 +160,16 @@ def collect(
     max_per_source: int | None,
     limits: sandbox.Limits,
     use_e2b: bool = False,
-) -> list[ExecutionRecord]:
-    """Execute the sources' snippets and write their execution log to `path` (JSONL)."""
-    items = gather(sources, max_per_source)
+) -> tuple[list[ExecutionRecord], dict]:
+    """Execute the sources' snippets and write their execution log to `path` (JSONL).
+
+    Returns the records and, per source, how many snippets ran and what was left out."""
     if use_e2b and not os.environ.get("E2B_API_KEY"):
         raise ValueError("collect.use_e2b=true needs an E2B API key in $E2B_API_KEY")
+    items, stats = gather(sources, max_per_source, limits)
     if use_e2b:
         records = collect_e2b(items, limits.cell_timeout_s)
     else:
         records = collect_local(items, limits)
     write_records(path, records)
-    return records
+    return records, stats

@@ -4,8 +4,11 @@ Each call starts one runner process (capibara_exp/data/runners/) in a fresh temp
 working dir with a minimal environment. Limits: a per-cell wall-clock timeout (inside the
 runner), a CPU-seconds and address-space rlimit and a file-size rlimit for the process,
 and a wall-clock limit for the whole batch (outside it). The network is cut with a new
-network namespace (`unshare -rn`) where the kernel allows one; otherwise the Python
-runners get a socket module that refuses to connect and the metadata says so.
+network namespace (`unshare -rn`) where the kernel allows one, for the runner and every
+process it starts. Otherwise it is cut inside the runner only: the Python and SQL runners
+get a socket module that refuses to connect or resolve, node gets a preload
+(runners/no_network.js) that makes net, dgram, dns and fetch refuse; the records' sandbox
+metadata says which (`network`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,15 @@ _RUNNER_FILES = {"python": "python_cells.py", "sql": "sql_cells.py", "javascript
 _NO_SOCKETS = (
     "import socket\n"
     "def _refuse(*a, **k):\n    raise OSError('network access is disabled in this sandbox')\n"
-    "socket.socket.connect = _refuse\nsocket.create_connection = _refuse\n"
+    "for _name in ('connect', 'connect_ex', 'sendto', 'sendmsg'):\n"
+    "    setattr(socket.socket, _name, _refuse)\n"
+    "for _name in ('create_connection', 'getaddrinfo', 'gethostbyname', 'gethostbyname_ex',\n"
+    "              'gethostbyaddr'):\n"
+    "    setattr(socket, _name, _refuse)\n"
 )
+# Network isolation of the records (sandbox metadata `network`).
+NAMESPACE = "namespace"  # a network namespace with no interfaces: the whole process tree
+IN_PROCESS = "in-process-blocked"  # the runner's own socket/net/dns/fetch APIs refuse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +54,13 @@ class Limits:
 
 @functools.cache
 def network_isolation() -> str:
-    """'namespace' when `unshare -rn` works here, else 'socket-blocked'."""
+    """NAMESPACE when `unshare -rn` works here, else IN_PROCESS."""
     unshare = shutil.which("unshare")
     if unshare:
         done = subprocess.run([unshare, "-rn", "true"], capture_output=True, check=False)
         if done.returncode == 0:
-            return "namespace"
-    return "socket-blocked"
+            return NAMESPACE
+    return IN_PROCESS
 
 
 def node_binary() -> str | None:
@@ -65,12 +75,14 @@ def _command(language: str, workdir: Path) -> list[str]:
             raise FileNotFoundError("node is not installed: JavaScript cells cannot run")
         # vm modules: README examples with import/export run as ES modules.
         cmd = [node, "--max-old-space-size=256", "--experimental-vm-modules", "--no-warnings"]
+        if network_isolation() != NAMESPACE:
+            cmd += ["--require", str(RUNNERS / "no_network.js")]
         cmd.append(runner)
     else:
         cmd = [sys.executable, "-s", runner]
-        if network_isolation() != "namespace":
+        if network_isolation() != NAMESPACE:
             (workdir / "sitecustomize.py").write_text(_NO_SOCKETS)
-    return (["unshare", "-rn"] if network_isolation() == "namespace" else []) + cmd
+    return (["unshare", "-rn"] if network_isolation() == NAMESPACE else []) + cmd
 
 
 def _limit(limits: Limits, cpu_s: int, language: str):
@@ -105,19 +117,12 @@ def _env(workdir: Path) -> dict[str, str]:
     return env
 
 
-def run_cells(language: str, cells: list[dict], limits: Limits = Limits()) -> list[dict]:
-    """Run cells ({"id", "code", "reset"}) in one sandbox; one output dict per cell, in order.
-
-    A cell whose output never came back (the process was killed for time or memory, or
-    crashed) gets an error named after the cause, so every cell has a record.
-    """
-    batch_s = limits.cell_timeout_s * len(cells) + 20
-    request = json.dumps({"cells": cells, "timeout_s": limits.cell_timeout_s})
+def _run_runner(language: str, request: dict, limits: Limits, batch_s: float):
+    """Run one runner process on a request: (stdout lines as dicts, stderr tail, cause)."""
     with tempfile.TemporaryDirectory(prefix="capibara-sandbox-") as tmp:
         workdir = Path(tmp)
-        cmd = _command(language, workdir)
         proc = subprocess.Popen(
-            cmd,
+            _command(language, workdir),
             cwd=workdir,
             env=_env(workdir),
             stdin=subprocess.PIPE,
@@ -126,22 +131,46 @@ def run_cells(language: str, cells: list[dict], limits: Limits = Limits()) -> li
             preexec_fn=_limit(limits, int(batch_s) + 1, language),
         )
         try:
-            stdout, stderr = proc.communicate(request.encode(), timeout=batch_s)
+            stdout, stderr = proc.communicate(json.dumps(request).encode(), timeout=batch_s)
             cause = f"the sandbox process exited with status {proc.returncode}"
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()
             cause = f"the sandbox batch exceeded {batch_s:.0f} s"
-    outputs = {}
+    lines = []
     for line in stdout.decode("utf-8", errors="replace").splitlines():
         try:
             out = json.loads(line)
         except json.JSONDecodeError:
             continue  # a cell that wrote to the protocol stream itself
         if isinstance(out, dict) and "id" in out:
-            outputs[out["id"]] = utf8_text(out)
-    tail = stderr.decode("utf-8", errors="replace")[-2000:]
+            lines.append(utf8_text(out))
+    return lines, stderr.decode("utf-8", errors="replace")[-2000:], cause
+
+
+def run_cells(language: str, cells: list[dict], limits: Limits = Limits()) -> list[dict]:
+    """Run cells ({"id", "code", "reset"}) in one sandbox; one output dict per cell, in order.
+
+    A cell whose output never came back (the process was killed for time or memory, or
+    crashed) gets an error named after the cause, so every cell has a record.
+    """
+    batch_s = limits.cell_timeout_s * len(cells) + 20
+    request = {"cells": cells, "timeout_s": limits.cell_timeout_s}
+    lines, tail, cause = _run_runner(language, request, limits, batch_s)
+    outputs = {out["id"]: out for out in lines}
     return [outputs.get(c["id"]) or _lost(c["id"], cause, tail) for c in cells]
+
+
+def javascript_syntax_errors(codes: dict[str, str], limits: Limits = Limits()) -> dict[str, str]:
+    """{id: 'SyntaxError: ...'} for each code that node cannot compile as its cell would run
+    (ES module or script); nothing is executed. Raises if node gives no answer."""
+    cells = [{"id": k, "code": v} for k, v in codes.items()]
+    request = {"cells": cells, "timeout_s": limits.cell_timeout_s, "check_only": True}
+    lines, tail, cause = _run_runner("javascript", request, limits, 60 + 0.05 * len(cells))
+    checked = {out["id"]: out.get("syntax_error") for out in lines}
+    if set(checked) != set(codes):
+        raise RuntimeError(f"node's syntax check of {len(codes)} cells failed: {cause}\n{tail}")
+    return {k: f"{e['name']}: {e['value']}" for k, e in checked.items() if e}
 
 
 def _lost(cell_id: str, cause: str, stderr_tail: str) -> dict:

@@ -1,6 +1,6 @@
 // Sandbox runner: execute JavaScript cells in node's vm, one JSON line per cell.
-// Reads {"cells": [{"id", "code", "reset"}], "timeout_s"} on stdin. The value of a cell's
-// last expression is its main result; console output is its stdout/stderr lines. A cell
+// Reads {"cells": [{"id", "code", "reset"}], "timeout_s", "check_only"} on stdin. The value
+// of a cell's last expression is its main result; console output is its stdout/stderr lines. A cell
 // with import/export or top-level await runs as an ES module (as a notebook's JS kernel
 // would), its imports served by node's require from the sandbox's NODE_PATH.
 "use strict";
@@ -63,7 +63,27 @@ function errorOf(e) {
            traceback: String(e && e.stack ? e.stack : e).slice(0, MAX_TEXT) };
 }
 
+// check_only: compile each cell as it would run (module or script) without running it,
+// one line per cell with its syntax error or null.
+function checkSyntax() {
+  const context = vm.createContext({});
+  for (const cell of request.cells) {
+    let error = null;
+    try {
+      if (ESM.test(cell.code) && vm.SourceTextModule) {
+        new vm.SourceTextModule(cell.code, { context, identifier: "cell.mjs" });
+      } else {
+        new vm.Script(cell.code, { filename: "cell.js" });
+      }
+    } catch (e) {
+      error = errorOf(e);
+    }
+    process.stdout.write(JSON.stringify({ id: cell.id, syntax_error: error }) + "\n");
+  }
+}
+
 async function main() {
+  if (request.check_only) return checkSyntax();
   let state = null;
   let count = 0;
   for (const cell of request.cells) {
