@@ -5,12 +5,22 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sysconfig
+import tracemalloc
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capibara_exp.data import collector, features, quarantine, sandbox, secrets, snippets
-from capibara_exp.data.e2b_records import parse_records, write_records
+from capibara_exp.data.e2b_records import (
+    RecordError,
+    parse_records,
+    record_from_json,
+    split_expected,
+    write_records,
+)
 
 needs_node = pytest.mark.skipif(sandbox.node_binary() is None, reason="node is not installed here")
 
@@ -91,6 +101,67 @@ def test_javascript_cells_run_under_node() -> None:
     assert bad["error"]["name"] == "TypeError"
 
 
+_NET_CELLS = {
+    "javascript": [
+        "require('net').connect(53, '1.1.1.1')",
+        "require('http').get('http://example.com/')",
+        "require('dns').lookup('example.com', () => {})",
+        "require('dgram').createSocket('udp4').send('x', 53, '1.1.1.1')",
+    ],
+    "python": [
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
+        "import socket\nsocket.getaddrinfo('example.com', 80)",
+        "import urllib.request\nurllib.request.urlopen('http://1.1.1.1/', timeout=1)",
+    ],
+}
+
+
+@needs_node
+def test_without_namespaces_cells_of_every_language_still_have_no_network(monkeypatch) -> None:
+    # Where `unshare -rn` is not allowed, the runners themselves refuse connections.
+    monkeypatch.setattr(sandbox, "network_isolation", lambda: sandbox.IN_PROCESS)
+    for language, codes in _NET_CELLS.items():
+        cells = [{"id": str(i), "code": c, "reset": True} for i, c in enumerate(codes)]
+        for cell, out in zip(cells, sandbox.run_cells(language, cells), strict=True):
+            assert out["error"] is not None, (language, cell["code"])
+            assert "network access is disabled in this sandbox" in out["error"]["value"], out
+        assert sandbox.sandbox_metadata(language)["network"] == sandbox.IN_PROCESS
+
+
+@needs_node
+def test_node_screens_out_javascript_that_does_not_parse() -> None:
+    codes = {
+        "script": "const xs = [1, 2];\nxs.map((x) => x * 2)",
+        "module": "import fs from 'fs';\nexport const n = 1;",
+        "await": "await Promise.resolve(1)",
+        "fragment": "app.get('/', (req, res) => {\n  ...\n})",
+        "shell": "$ npm install --save left-pad",
+    }
+    errors = sandbox.javascript_syntax_errors(codes)
+    assert sorted(errors) == ["fragment", "shell"]
+    assert all(e.startswith("SyntaxError: ") for e in errors.values()), errors
+
+
+def test_a_doctest_that_raises_its_documented_exception_succeeded() -> None:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / "pickletools.py", stdlib / "_threading_local.py"]
+    found = snippets._doctest_snippets(files, stdlib, "stdlib-doctest")
+    raising = [s for s in found if split_expected(s.expected_output)[1]][-3:]
+    assert len(raising) == 3, "these stdlib modules document exceptions in their doctests"
+    other = snippets.Snippet(
+        "wrong",
+        "python",
+        "int('x')\n",
+        "test",
+        expected_output="Traceback (most recent call last):\n  ...\nKeyError: 'x'\n",
+    )
+    records = collector.collect_local([*raising, other], sandbox.Limits())
+    for rec in records[:-1]:
+        assert rec.execution.error is not None and rec.raised_as_expected, rec.to_json()
+        assert rec.succeeded and features.expected_match(rec) == 1.0, rec.to_json()
+    assert records[-1].execution.error.name == "ValueError" and not records[-1].succeeded
+
+
 def _good_line() -> dict:
     return {
         "id": "a",
@@ -111,6 +182,7 @@ def test_every_bad_line_kind_is_quarantined_with_its_reason(tmp_path: Path) -> N
     wrong_type = dict(_good_line(), code=5)
     missing = {k: v for k, v in _good_line().items() if k != "execution"}
     bad_stdout = dict(_good_line(), execution={"logs": {"stdout": [1]}})
+    bad_html = dict(_good_line(), execution={"results": [{"text": "2", "html": 5}]})
     lines = [
         good.encode(),
         good[:-7].encode(),
@@ -120,29 +192,98 @@ def test_every_bad_line_kind_is_quarantined_with_its_reason(tmp_path: Path) -> N
         json.dumps(bad_stdout).encode(),
         b"\xff\xfe\x00\x81garbage",
         b"\x00\x01\x02\x03" * 8,
-        ("{" + " " * 5000 + "}").encode(),
+        ("{" + " " * 300_000 + "}").encode(),
         b"[1, 2]",
+        b"[" * 100_000 + b"]" * 100_000,  # 200 KB, under max_line_bytes: nested too deep
+        json.dumps(bad_html).encode(),
+        good.replace('"duration_ms": 0.5', '"duration_ms": NaN').encode(),
+        good.replace('"duration_ms": 0.5', '"duration_ms": 1e999').encode(),
+        json.dumps(dict(_good_line(), duration_ms=-1)).encode(),
+        json.dumps(dict(_good_line(), code="café ☃"), ensure_ascii=False).encode()[:-12],
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     (tmp_path / "empty.jsonl").write_bytes(b"")
     q = quarantine.Quarantine()
-    records = list(parse_records(path, q, max_line_bytes=4096))
+    records = list(parse_records(path, q, max_line_bytes=250_000))
     records += list(parse_records(tmp_path / "empty.jsonl", q))
     assert [r.id for r in records] == ["a"]
     assert q.summary() == {
         "binary_garbage": 2,
         "empty_file": 1,
-        "invalid_json": 1,
+        "invalid_json": 3,
         "missing_field": 1,
+        "out_of_range": 1,
         "oversized_line": 1,
-        "truncated_json": 1,
-        "wrong_type": 3,
+        "too_deep": 1,
+        "truncated_json": 2,
+        "wrong_type": 4,
     }
     q.write(tmp_path / "q.jsonl")
     written = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
-    assert {w["line"] for w in written if w["source"] == str(path)} == set(range(2, 11))
-    assert any("code must be str" in w["detail"] for w in written)
+    assert {w["line"] for w in written if w["source"] == str(path)} == set(range(2, len(lines) + 1))
+    details = " | ".join(w["detail"] for w in written)
+    for detail in ("code must be str", "results[0].html must be str", "NaN is not JSON"):
+        assert detail in details
+    with pytest.raises(RecordError, match="duration_ms must be a finite number"):
+        record_from_json(dict(_good_line(), duration_ms=float("nan")))
+
+
+def _cut_lines() -> list[bytes]:
+    """A record with escapes, literals, numbers and non-ASCII text, as the writer writes it."""
+    line = dict(
+        _good_line(),
+        code='print("tab\\t, quote \\"")\nx = [True, None, -0.5e-3]',
+        expected_output="café ☃ \\u00e9",
+        sandbox={"ok": True, "none": None, "no": False, "n": 0.0, "big": 12e30},
+    )
+    return [json.dumps(line).encode(), json.dumps(line, ensure_ascii=False).encode()]
+
+
+def test_a_line_cut_anywhere_is_truncated_and_a_broken_one_invalid(tmp_path: Path) -> None:
+    cuts = [raw[:k] for raw in _cut_lines() for k in range(1, len(raw))]
+    path = tmp_path / "cuts.jsonl"
+    path.write_bytes(b"\n".join(cuts) + b"\n")
+    q = quarantine.Quarantine()
+    assert list(parse_records(path, q)) == []
+    assert q.summary() == {"truncated_json": len(cuts)}, [
+        (e["raw"][-20:], e["detail"]) for e in q.entries if e["reason"] != "truncated_json"
+    ][:5]
+    for broken in ['{"a": tx', '{"a": 1 2', '{"a": 1}}', "[1,]", '{"a": 1,}', '{"a" 1', "{'a': 1"]:
+        assert not quarantine.looks_truncated(broken), broken
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=5), _json_values, min_size=1, max_size=3))
+def test_every_prefix_of_a_json_object_looks_truncated(value: dict) -> None:
+    text = json.dumps(value, ensure_ascii=False)
+    assert all(quarantine.looks_truncated(text[:k]) for k in range(1, len(text)))
+
+
+def test_an_oversized_line_is_never_held_whole(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"code": "' + b"x" * (24 << 20) + b'"}\n')
+        f.write(json.dumps(_good_line()).encode() + b"\n")
+    q = quarantine.Quarantine()
+    tracemalloc.start()
+    records = list(parse_records(path, q, max_line_bytes=1 << 20))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [r.id for r in records] == ["a"] and q.summary() == {"oversized_line": 1}
+    assert q.entries[0]["detail"] == f"{(24 << 20) + 12} bytes > max_line_bytes=1048576"
+    assert peak < 4 << 20, f"reading a 24 MB line peaked at {peak / 2**20:.1f} MB"
 
 
 def test_secret_scrubbing_recall_on_a_seeded_set() -> None:
@@ -153,12 +294,35 @@ def test_secret_scrubbing_recall_on_a_seeded_set() -> None:
     assert not missed, missed[:3]
 
 
-def test_scrubbing_leaves_ordinary_code_alone() -> None:
-    code = (
-        "for token in tokens:\n    print(token)\npassword = input()\nkey = d['token']\n"
-        "api_key = os.environ['API_KEY']\nSELECT count(*) FROM users WHERE id = 3;\n"
-    )
-    assert secrets.scrub(code) == (code, {})
+def test_secret_scrubbing_recall_on_held_out_forms_and_precision_on_clean_code() -> None:
+    held_out = secrets.held_out_secrets(seed=99, n=1000)
+    assert {kind for _, _, kind in held_out} == set(secrets._HELD_OUT_CONTEXTS)
+    missed = [t for t, s, _ in held_out if s in secrets.scrub(t)[0]]
+    assert not missed, missed[:3]
+    altered = {line: secrets.scrub(line)[0] for line in secrets.CLEAN_LINES}
+    assert all(a == line for line, a in altered.items()), [
+        a for line, a in altered.items() if a != line
+    ]
+    report = secrets.evaluate(seed=99, samples=1000)
+    assert report["recall_held_out"] >= 0.99 and report["precision"] >= 0.99, report
+
+
+@pytest.mark.parametrize(
+    "text, secret",
+    [
+        ("Authorization: Basic YWRtaW46aHVudGVyMg==", "YWRtaW46aHVudGVyMg=="),
+        ("PASSWORD=hunter2", "hunter2"),
+        ("mysql -u root -pS3cret shop", "S3cret"),
+        ("AccountName=a;AccountKey=" + "Zm9v" * 22 + "==;EndpointSuffix=x", "Zm9v" * 22),
+        ("token: glpat-" + "a1B2" * 5, "glpat-" + "a1B2" * 5),
+        ("//registry.npmjs.org/:_authToken=npm_" + "x9" * 18, "npm_" + "x9" * 18),
+        ("db.connect(password='pw12')", "pw12"),
+        ("requests.get(u, auth=('u', 'pw'))", "'pw'"),
+    ],
+)
+def test_scrubbing_catches_the_forms_real_logs_contain(text: str, secret: str) -> None:
+    scrubbed, counts = secrets.scrub(text)
+    assert secret not in scrubbed and counts, scrubbed
 
 
 @pytest.mark.parametrize(

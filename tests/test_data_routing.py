@@ -75,9 +75,19 @@ def test_manifest_has_counts_hashes_filters_and_quarantine(built: tuple[Path, di
     assert manifest["quarantine"]["logs"] == {"truncated_json": 1, "wrong_type": 1}
     assert manifest["processing"]["dropped_by_filter"]["dedup=True"] >= 1
     assert manifest["config"]["filters"] == build.default_config()["filters"]
-    assert manifest["secret_scrubbing_recall"] >= 0.99
+    scrubbing = manifest["secret_scrubbing"]
+    assert min(scrubbing["recall_seeded"], scrubbing["recall_held_out"]) >= 0.99, scrubbing
+    assert scrubbing["precision"] >= 0.99 and scrubbing["clean_lines_altered"] == 0, scrubbing
     assert set(manifest["playbooks"]["per_domain"]) == set(routing.DOMAINS)
     out = build.dataset_dir(data_dir)
+    on_disk = {
+        str(p.relative_to(out))
+        for p in out.rglob("*")
+        if p.is_file() and not p.name.startswith(".") and p.name != "manifest.json"
+    }
+    assert set(manifest["files"]) == on_disk  # every file the build wrote, and only those
+    folders = {name.split("/")[0] for name in on_disk}
+    assert folders == {"examples", "playbooks", "quarantine", "routing", "sources"}
     for name, sha in manifest["files"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == sha, name
     per = manifest["routing"]["per_domain_split"]
@@ -90,8 +100,11 @@ def test_build_is_deterministic_and_reused(
     built: tuple[Path, dict], log_file: Path, tmp_path: Path
 ) -> None:
     _, first = built
+    stale = build.dataset_dir(tmp_path) / "logs" / "collected.jsonl"  # an earlier build's
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}\n")
     again = build.build(tmp_path, _cfg(log_file))
-    assert again["files"] == first["files"]
+    assert again["files"] == first["files"] and not stale.exists()
     assert build.ensure_built(built[0]) == first  # a run with no config reuses any build
 
 
@@ -107,6 +120,25 @@ def test_zero_examples_names_the_filters(log_file: Path, tmp_path: Path) -> None
     cfg = _cfg(log_file, filters={"min_quality": 1.5})
     with pytest.raises(processing.NoExamplesError, match=r"min_quality=1.5 dropped \d+"):
         build.build(tmp_path, cfg)
+
+
+def test_when_every_line_is_bad_the_quarantine_is_written_and_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "language": "python"\n[1]\nnot json\n')
+    with pytest.raises(
+        processing.NoExamplesError,
+        match=r"no input records.*quarantined input lines: "
+        r"\{'invalid_json': 1, 'truncated_json': 1, 'wrong_type': 1\}",
+    ):
+        build.build(tmp_path / "data", _cfg(bad))
+    q = build.dataset_dir(tmp_path / "data") / "quarantine" / "logs.quarantine.jsonl"
+    assert [json.loads(line)["line"] for line in q.read_text().splitlines()] == [1, 2, 3]
+    assert not (build.dataset_dir(tmp_path / "data") / "manifest.json").exists()
+
+
+def test_a_missing_input_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(build.BuildError, match=r"inputs.logs\[0\]: /no/such.jsonl is not a file"):
+        build.build(tmp_path, _cfg(Path("/no/such.jsonl")))
 
 
 def test_dedup_uses_the_normalised_code(log_file: Path) -> None:
@@ -157,6 +189,56 @@ def test_playbooks_consolidate_filter_top_k_and_quarantine(
         got = next(p for p in kept if p["domain"] == domain)
         if best is not None:
             assert got["graduation_score"] >= best["graduation_score"]
+
+
+def _playbook(**changes) -> dict:
+    entry = {"id": "e0", "section": "strategies", "content": "x", "helpful": 2, "harmful": 0}
+    pb = {
+        "agent_id": "python/a",
+        "domain": "python",
+        "graduation_score": 0.5,
+        "interactions": 4,
+        "success_rate": 0.75,
+        "domain_expertise": {"python": 1.0},
+        "entries": [entry],
+    }
+    return {**pb, **changes}
+
+
+@pytest.mark.parametrize(
+    "changes, reason, detail",
+    [
+        ({"interactions": 0}, "out_of_range", "interactions must be >= 1"),
+        ({"success_rate": 7.0}, "out_of_range", "success_rate must be in [0.0, 1.0]"),
+        ({"graduation_score": -3}, "out_of_range", "graduation_score must be in [0.0, 1.0]"),
+        ({"graduation_score": float("inf")}, "invalid_json", "Infinity is not JSON"),
+        ({"domain_expertise": {"sql": "most"}}, "wrong_type", "domain_expertise['sql']"),
+        ({"entries": [{"content": "x", "helpful": "lots"}]}, "wrong_type", "helpful must be int"),
+        ({"entries": [{"content": "x", "harmful": -1}]}, "out_of_range", "harmful must be >= 0"),
+        ({"interactions": True}, "wrong_type", "interactions must be int"),
+    ],
+)
+def test_a_bad_playbook_is_quarantined_with_its_reason(
+    changes: dict, reason: str, detail: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "pb.jsonl"
+    path.write_text(json.dumps(_playbook()) + "\n" + json.dumps(_playbook(**changes)) + "\n")
+    q = Quarantine()
+    assert playbooks.parse(path, q, 1 << 20) == [_playbook()]
+    assert q.summary() == {reason: 1} and detail in q.entries[0]["detail"], q.entries
+
+
+def test_playbooks_of_one_agent_with_no_interactions_do_not_stop_the_build(tmp_path: Path) -> None:
+    path = tmp_path / "pb.jsonl"
+    path.write_text(2 * (json.dumps(_playbook(interactions=0)) + "\n"))
+    q = Quarantine()
+    assert playbooks.parse(path, q, 1 << 20) == [] and q.summary() == {"out_of_range": 2}
+    # unvalidated input reaching the merge: equal weights, not a division by zero
+    kept, _ = playbooks.consolidate(
+        [_playbook(interactions=0, success_rate=0.2), _playbook(interactions=0, success_rate=0.6)],
+        playbooks.PlaybookFilters(min_interactions=0),
+    )
+    assert kept[0]["success_rate"] == 0.4
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +375,29 @@ def test_capibara_exp_data_builds_with_overrides(log_file: Path, tmp_path: Path)
         timeout=300,
     )
     assert bad.returncode == 2 and "min_quality=2.0 dropped" in bad.stderr
+    missing = subprocess.run(
+        args[:3] + [f"data_dir={tmp_path}", "inputs.logs=[/no/such.jsonl]"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        "capibara-exp-data: inputs.logs[0]: /no/such.jsonl is not a file"
+    ]
+    built_names = sorted(p.name for p in build.dataset_dir(tmp_path).iterdir())
+    assert built_names == [  # no Hydra run dir or log file
+        ".build.lock",
+        "examples",
+        "playbooks",
+        "quarantine",
+        "routing",
+        "sources",
+    ]
+    helped = subprocess.run(args[:3] + ["--help"], capture_output=True, text=True, check=True)
+    assert "capibara-exp-data: build the E2B" in helped.stdout and "min_quality" in helped.stdout
+    assert "model:" not in helped.stdout and "optimizer:" not in helped.stdout
 
 
 def test_dropping_the_batch_iterator_stops_its_producer(tasks) -> None:

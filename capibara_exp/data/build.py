@@ -2,9 +2,11 @@
 
 collect (sandbox) -> parse (quarantine) -> process (scrub, score, filter, dedup) ->
 playbooks (derive, parse, consolidate) -> routing examples (domain, difficulty, split).
-The manifest records counts, file hashes, the filters and the quarantine counts, and the
-fingerprint of the build config: a run whose data are already built for the same config
-reuses them, so the first run that needs the data builds them and the others wait.
+The manifest records counts, the sha256 of every file the build wrote (logs/, examples/,
+playbooks/, quarantine/, routing/, sources/), the filters, the quarantine counts, the
+scrubbing recall and precision, and the fingerprint of the build config: a run whose data
+are already built for the same config reuses them, so the first run that needs the data
+builds them and the others wait.
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ from capibara_exp.data.quarantine import Quarantine
 
 DATASET = "e2b_routing"
 SOURCES = ("e2b_logs", "ace_playbooks")
-_KEYS = ("collect", "inputs", "max_line_bytes", "filters", "playbooks", "splits", "secret_recall")
+_KEYS = (
+    "collect",
+    "inputs",
+    "max_line_bytes",
+    "filters",
+    "playbooks",
+    "splits",
+    "secret_scrubbing",
+)
+# The build's own folders: every file in them is hashed in the manifest, and a file a
+# build did not write (left by an earlier build) is removed.
+_OUTPUT_DIRS = ("logs", "examples", "playbooks", "quarantine", "routing", "sources")
 
 
 class BuildError(ValueError):
@@ -67,28 +80,50 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
 
 
-def _check_recall(cfg: dict) -> float:
-    rc = cfg["secret_recall"]
-    value = secrets.recall(secrets.seeded_secrets(rc["seed"], rc["samples"]))
-    if value < rc["min_recall"]:
+def _check_scrubbing(cfg: dict) -> dict:
+    """Recall (seeded and held-out sets) and precision of secret scrubbing, or BuildError."""
+    sc = cfg["secret_scrubbing"]
+    report = secrets.evaluate(sc["seed"], sc["samples"])
+    for name in ("recall_seeded", "recall_held_out"):
+        if report[name] < sc["min_recall"]:
+            raise BuildError(
+                f"secret scrubbing {name} {report[name]:.3f} is below "
+                f"secret_scrubbing.min_recall={sc['min_recall']}: refusing to build training data"
+            )
+    if report["precision"] < sc["min_precision"]:
         raise BuildError(
-            f"secret scrubbing recall {value:.3f} on the seeded set is below "
-            f"secret_recall.min_recall={rc['min_recall']}: refusing to build training data"
+            f"secret scrubbing precision {report['precision']:.3f} is below "
+            f"secret_scrubbing.min_precision={sc['min_precision']}"
         )
-    return value
+    return report
 
 
-def _records(out: Path, cfg: dict, quarantine: Quarantine) -> list[e2b_records.ExecutionRecord]:
+def _check_inputs(cfg: dict) -> None:
+    for key in ("logs", "playbooks"):
+        paths = cfg["inputs"][key]
+        if not isinstance(paths, list):
+            raise BuildError(f"inputs.{key} must be a list of JSONL files, got {paths!r}")
+        for i, path in enumerate(paths):
+            if not Path(path).is_file():
+                raise BuildError(f"inputs.{key}[{i}]: {path} is not a file")
+
+
+def _records(
+    out: Path, cfg: dict, quarantine: Quarantine
+) -> tuple[list[e2b_records.ExecutionRecord], dict]:
     c = cfg["collect"]
     collected = out / "logs" / "collected.jsonl"
     limits = sandbox.Limits(cell_timeout_s=c["cell_timeout_s"], memory_mb=c["memory_mb"])
+    stats = {}
     if c["sources"]:
-        collector.collect(collected, c["sources"], c["max_per_source"], limits, c["use_e2b"])
+        _, stats = collector.collect(
+            collected, c["sources"], c["max_per_source"], limits, c["use_e2b"]
+        )
     paths = ([collected] if c["sources"] else []) + [Path(p) for p in cfg["inputs"]["logs"]]
     records = []
     for path in paths:  # the collected log goes through the same parser as any input
         records += e2b_records.parse_records(path, quarantine, cfg["max_line_bytes"])
-    return records
+    return records, stats
 
 
 def _routing_rows(examples: list[dict], kept: list[dict], splits: dict) -> list[dict]:
@@ -109,60 +144,115 @@ def _routing_rows(examples: list[dict], kept: list[dict], splits: dict) -> list[
     return routing.ensure_every_split(rows)
 
 
-def _write_tasks(out: Path, rows: list[dict]) -> dict[str, str]:
-    files = {}
+def _write_tasks(out: Path, rows: list[dict]) -> list[Path]:
+    written = []
     groups = [("routing", d, [r for r in rows if r["domain"] == d]) for d in routing.DOMAINS]
     groups += [("sources", s, [r for r in rows if r["source"] == s]) for s in SOURCES]
     for kind, name, items in groups:
         for split in routing.SPLITS:
             path = out / kind / name / f"{split}.jsonl"
             _write_jsonl(path, [r for r in items if r["split"] == split])
-            files[str(path.relative_to(out))] = _sha256(path)
-    return files
+            written.append(path)
+    return written
+
+
+def _files(out: Path) -> list[Path]:
+    return sorted(
+        p
+        for d in _OUTPUT_DIRS
+        if (out / d).is_dir()
+        for p in (out / d).rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    )
+
+
+def _quarantine_path(out: Path, name: str) -> Path:
+    return out / "quarantine" / f"{name}.quarantine.jsonl"
+
+
+def _examples(out: Path, cfg: dict, log_q: Quarantine, written: list[Path]):
+    """Collect, parse and process the logs; the quarantine is written before anything can stop."""
+    records, collection = _records(out, cfg, log_q)
+    written += [out / "logs" / "collected.jsonl"] if cfg["collect"]["sources"] else []
+    log_q.write(_quarantine_path(out, "logs"), root=out)
+    written.append(_quarantine_path(out, "logs"))
+    try:
+        examples, stats = processing.process(records, processing.Filters.from_dict(cfg["filters"]))
+    except processing.NoExamplesError as err:
+        raise processing.NoExamplesError(
+            f"{err}; quarantined input lines: {log_q.summary() or 'none'} "
+            f"(see {_quarantine_path(out, 'logs')})"
+        ) from None
+    _write_jsonl(out / "examples" / "examples.jsonl", examples)
+    written.append(out / "examples" / "examples.jsonl")
+    return examples, stats, collection
+
+
+def _playbooks(out: Path, cfg: dict, examples: list[dict], pb_q: Quarantine, written: list[Path]):
+    derived = out / "playbooks" / "derived.jsonl"
+    playbooks.write(derived, playbooks.derive(examples))
+    paths = [derived] + [Path(p) for p in cfg["inputs"]["playbooks"]]
+    parsed = [pb for p in paths for pb in playbooks.parse(p, pb_q, cfg["max_line_bytes"])]
+    pb_q.write(_quarantine_path(out, "playbooks"), root=out)
+    kept, stats = playbooks.consolidate(parsed, playbooks.PlaybookFilters(**cfg["playbooks"]))
+    playbooks.write(out / "playbooks" / "consolidated.jsonl", kept)
+    written += [
+        derived,
+        _quarantine_path(out, "playbooks"),
+        out / "playbooks" / "consolidated.jsonl",
+    ]
+    return kept, stats
+
+
+def _routing_stats(rows: list[dict]) -> dict:
+    return {
+        "examples": len(rows),
+        "per_domain_split": {
+            f"{d}/{s}": n
+            for (d, s), n in sorted(Counter((r["domain"], r["split"]) for r in rows).items())
+        },
+        "per_difficulty": dict(Counter(r["difficulty"] for r in rows)),
+        "per_source": dict(Counter(r["source"] for r in rows)),
+    }
 
 
 def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
-    """Build everything from scratch; return the manifest (also written as manifest.json)."""
+    """Build everything from scratch; return the manifest (also written as manifest.json).
+
+    The quarantine files are written as soon as their input is parsed, so a build that
+    stops for lack of examples still shows why; a build that stops leaves no manifest.
+    """
     out = dataset_dir(data_dir)
-    recall = _check_recall(cfg)
-    log_q, pb_q = Quarantine(), Quarantine()
-    records = _records(out, cfg, log_q)
-    filters = processing.Filters.from_dict(cfg["filters"])
-    examples, proc_stats = processing.process(records, filters)
-    _write_jsonl(out / "examples" / "examples.jsonl", examples)
-    playbooks.write(out / "playbooks" / "derived.jsonl", playbooks.derive(examples))
-    pb_paths = [out / "playbooks" / "derived.jsonl"] + [Path(p) for p in cfg["inputs"]["playbooks"]]
-    parsed = [pb for p in pb_paths for pb in playbooks.parse(p, pb_q, cfg["max_line_bytes"])]
-    kept, pb_stats = playbooks.consolidate(parsed, playbooks.PlaybookFilters(**cfg["playbooks"]))
-    playbooks.write(out / "playbooks" / "consolidated.jsonl", kept)
+    _check_inputs(cfg)
+    scrubbing = _check_scrubbing(cfg)
+    (out / "manifest.json").unlink(missing_ok=True)  # the files are about to change
+    log_q, pb_q, written = Quarantine(), Quarantine(), []
+    examples, proc_stats, collection = _examples(out, cfg, log_q, written)
+    kept, pb_stats = _playbooks(out, cfg, examples, pb_q, written)
+    quarantined = {"logs": log_q.summary(), "playbooks": pb_q.summary()}
     rows = _routing_rows(examples, kept, cfg["splits"])
     empty = [d for d in routing.DOMAINS if not any(r["domain"] == d for r in rows)]
     if empty:
         raise BuildError(
             f"no examples in domain(s) {empty} after filtering; filters: {cfg['filters']}, "
-            f"playbooks: {cfg['playbooks']}, collect.sources: {cfg['collect']['sources']}"
+            f"playbooks: {cfg['playbooks']}, collect.sources: {cfg['collect']['sources']}; "
+            f"quarantined: {quarantined}"
         )
-    log_q.write(out / "quarantine" / "logs.quarantine.jsonl")
-    pb_q.write(out / "quarantine" / "playbooks.quarantine.jsonl")
+    written += _write_tasks(out, rows)
+    for stale in set(_files(out)) - set(written):
+        stale.unlink()  # left by an earlier build with other settings; not part of this one
     manifest = {
         "dataset": DATASET,
         "fingerprint": fingerprint(cfg),
         "config": {k: cfg[k] for k in _KEYS},
-        "secret_scrubbing_recall": recall,
+        "secret_scrubbing": scrubbing,
         "sandbox_network": sandbox.network_isolation(),
+        "collection": collection,
         "processing": proc_stats,
         "playbooks": pb_stats,
-        "quarantine": {"logs": log_q.summary(), "playbooks": pb_q.summary()},
-        "routing": {
-            "examples": len(rows),
-            "per_domain_split": {
-                f"{d}/{s}": n
-                for (d, s), n in sorted(Counter((r["domain"], r["split"]) for r in rows).items())
-            },
-            "per_difficulty": dict(Counter(r["difficulty"] for r in rows)),
-            "per_source": dict(Counter(r["source"] for r in rows)),
-        },
-        "files": _write_tasks(out, rows),
+        "quarantine": quarantined,
+        "routing": _routing_stats(rows),
+        "files": {str(p.relative_to(out)): _sha256(p) for p in _files(out)},
     }
     _atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
     return manifest

@@ -35,7 +35,7 @@ def _app(cfg: DictConfig) -> None:
         "examples": manifest["processing"]["examples_out"],
         "routing": manifest["routing"]["per_domain_split"],
         "quarantine": manifest["quarantine"],
-        "secret_scrubbing_recall": manifest["secret_scrubbing_recall"],
+        "secret_scrubbing": manifest["secret_scrubbing"],
     }
     print(json.dumps(summary, indent=2))
 
