@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
 # Groups that are off (null) unless chosen; when chosen they work like the groups above.
-OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "lora", "consensus")
+OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "router_supervision",
+                   "lora", "consensus")
 # Features T5X does not have: their templates bind the local engine's own names.
-LOCAL_ONLY_GROUPS = ("ema", "nan_guard", "curriculum", "lora")
+LOCAL_ONLY_GROUPS = ("ema", "nan_guard", "curriculum", "router_supervision", "lora")
 ROOT_MACROS = ("model_dir", "random_seed")
 TEMPLATE_KEY = "template"
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capibara_exp.data.packing import Packer
 from capibara_exp.kernels import packing, packing_ref
 
 PACKERS = ("pack_first_fit", "pack_next_fit")
@@ -91,6 +92,39 @@ def test_round_trip(case, window: int, name: str) -> None:
             assert (row_s[begin:end] == row_s[begin]).all()
             got.append((int(segment[0]), int(end - begin)))
     assert sorted(got) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(examples(), st.sampled_from(("first_fit", "next_fit")), st.integers(0, 2**32 - 1))
+def test_labels_land_on_their_examples_slots(case, strategy: str, seed: int) -> None:
+    """Packer.pack_labels puts each example's label on exactly the slots that carry its
+    tokens (segment id != 0) and -1 elsewhere. The oracle packs globally unique token ids
+    (0 kept where the token is 0, since next-fit places by non-zero tokens) and reads
+    each slot's example back from its id."""
+    tokens, lengths, length = case
+    labels = np.random.default_rng(seed).integers(0, 6, lengths.size)
+    packer = Packer(strategy)
+    targets, segment_ids, positions = packer.pack(tokens, lengths, length)
+    got = packer.pack_labels(tokens, lengths, labels, length)
+    ids = np.arange(1, tokens.size + 1, dtype=np.int32)
+    if strategy == "next_fit":
+        ids *= tokens != 0
+    id_targets, id_segments, id_positions = packer.pack(ids, lengths, length)
+    np.testing.assert_array_equal(id_segments, segment_ids)  # same placement
+    np.testing.assert_array_equal(id_positions, positions)
+    example = np.searchsorted(np.cumsum(lengths), id_targets - 1, side="right")
+    want = np.where(id_targets > 0, labels[np.minimum(example, max(lengths.size - 1, 0))], -1)
+    assert got.dtype == np.int32 and got.shape == targets.shape
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got >= 0, segment_ids != 0)
+
+
+def test_bad_labels_are_errors() -> None:
+    tokens, lengths = np.arange(1, 6, dtype=np.int32), np.array([2, 3])
+    with pytest.raises(ValueError, match="one integer per example"):
+        Packer().pack_labels(tokens, lengths, np.array([1]), 4)
+    with pytest.raises(ValueError, match=">= 0"):
+        Packer().pack_labels(tokens, lengths, np.array([1, -1]), 4)
 
 
 def test_first_fit_back_fills_within_the_window() -> None:

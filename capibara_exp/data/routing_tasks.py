@@ -2,8 +2,11 @@
 
 One task per expert domain (`capibara_routing_<domain>`) and one per source
 (`capibara_e2b_logs`, `capibara_ace_playbooks`), each with train/validation/test splits
-and the features `targets` (text), `domain` and `difficulty`. Mixtures take their rates
-from conf/data/ (`mixture_rates` of every data config whose task module is this one).
+and the features `targets` (text), `domain`, `domain_id` and `difficulty`. `domain_id` is
+the domain's index in routing.DOMAINS, a fixed order: python 0, sql 1, javascript 2,
+debug 3, ml 4, api 5 (router supervision asks for expert `domain_id mod num_experts`).
+Mixtures take their rates from conf/data/ (`mixture_rates` of every data config whose
+task module is this one).
 The data are built under $CAPIBARA_DATA_DIR on first read (capibara_exp/data/build.py).
 """
 
@@ -26,6 +29,15 @@ def domain_task(domain: str) -> str:
     return TASK_PREFIX + domain
 
 
+def domain_id(domain: str) -> int:
+    """The integer label of a domain: its index in routing.DOMAINS (never reordered)."""
+    try:
+        return routing.DOMAINS.index(domain)
+    except ValueError:
+        raise ValueError(f"routing data: unknown domain '{domain}' (domains: {routing.DOMAINS}); "
+                         "rebuild the data with capibara-exp-data") from None
+
+
 def _rows(kind: str, name: str, split: str) -> list[dict]:
     out = build.dataset_dir(data_dir())
     build.ensure_built(data_dir())
@@ -41,6 +53,7 @@ def _dataset_fn(kind: str, name: str):
             {
                 "targets": tf.constant([r["text"] for r in rows], tf.string),
                 "domain": tf.constant([r["domain"] for r in rows], tf.string),
+                "domain_id": tf.constant([domain_id(r["domain"]) for r in rows], tf.int32),
                 "difficulty": tf.constant([r["difficulty"] for r in rows], tf.string),
             }
         )

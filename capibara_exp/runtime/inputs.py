@@ -50,11 +50,21 @@ def batches(
     repeat: bool = True,
     packer: packing.Packer | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Batches of a data set, deterministic for a seed; `skip_batches` resumes mid-stream."""
+    """Batches of a data set, deterministic for a seed; `skip_batches` resumes mid-stream.
+
+    A converter class made by packing.carrying_labels adds its label feature per token."""
     import_modules(cfg)
     packer = packer or packing.configured_packer()
+    label_feature = packing.label_feature_of(feature_converter_cls)
     if cfg.pack and packer.strategy != "seqio" and list(cfg.task_feature_lengths) == ["targets"]:
-        return _kernel_batches(cfg, packer, seed, skip_batches, repeat)
+        return _kernel_batches(cfg, packer, seed, skip_batches, repeat, label_feature)
+    if label_feature:
+        raise ValueError(
+            f"{cfg.mixture_or_task_name}: the model asks for the task feature '{label_feature}' "
+            "per token (moe_models.MoeDecoderOnlyModel.router_label_feature), which only the "
+            f"local engine's kernel packer carries; got pack={cfg.pack}, packing strategy "
+            f"'{packer.strategy}', features {sorted(cfg.task_feature_lengths)}: set "
+            "data.pack=true and data.packing=first_fit or next_fit (conf/data/)")
     ds = seqio.get_dataset(
         cfg.mixture_or_task_name,
         cfg.task_feature_lengths,
@@ -73,15 +83,21 @@ def batches(
 
 
 def example_chunks(
-    cfg: DatasetConfig, seed: int | None, repeat: bool, chunk: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(flat int32 tokens, lengths) of `chunk` consecutive trimmed examples at a time.
+    cfg: DatasetConfig, seed: int | None, repeat: bool, chunk: int,
+    label_feature: str | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(flat int32 tokens, lengths, labels or None) of `chunk` consecutive trimmed examples.
 
     The examples are those seqio.get_dataset feeds its feature converter: same task
-    call, shuffle and seed, trimmed to the feature length.
+    call, shuffle and seed, trimmed to the feature length. With `label_feature`, each
+    example's value of that integer task feature comes along.
     """
     length = cfg.task_feature_lengths["targets"]
     task = seqio.get_mixture_or_task(cfg.mixture_or_task_name)
+    # A mixture keeps only its output features unless told to pass more through (which
+    # changes nothing else: the same examples come in the same order).
+    keep = {"passthrough_features": [label_feature]} if label_feature and isinstance(
+        task, seqio.Mixture) else {}
     ds = task.get_dataset(
         cfg.task_feature_lengths,
         split=cfg.split,
@@ -90,21 +106,44 @@ def example_chunks(
         seed=seed,
         num_epochs=None if repeat else 1,
         trim_output_features=cfg.trim_output_features,
+        **keep,
     )
-    ds = ds.map(lambda ex: tf.cast(ex["targets"][:length], tf.int32)).ragged_batch(chunk)
-    for ragged in ds.with_options(_options()).prefetch(2):
-        yield ragged.flat_values.numpy(), ragged.row_lengths().numpy()
+    if label_feature:
+        _check_label_feature(cfg, ds.element_spec, label_feature)
+        ds = ds.map(lambda ex: {"targets": tf.cast(ex["targets"][:length], tf.int32),
+                                "label": tf.cast(ex[label_feature], tf.int32)})
+    else:
+        ds = ds.map(lambda ex: {"targets": tf.cast(ex["targets"][:length], tf.int32)})
+    for chunk_ex in ds.ragged_batch(chunk).with_options(_options()).prefetch(2):
+        ragged = chunk_ex["targets"]
+        labels = chunk_ex["label"].numpy() if label_feature else None
+        yield ragged.flat_values.numpy(), ragged.row_lengths().numpy(), labels
+
+
+def _check_label_feature(cfg: DatasetConfig, spec: dict, feature: str) -> None:
+    """The label feature must be one integer per example of the task or mixture."""
+    where = (f"{cfg.mixture_or_task_name}: moe_models.MoeDecoderOnlyModel.router_label_feature="
+             f"'{feature}'")
+    if feature not in spec:
+        raise ValueError(f"{where}: the examples have no such feature (features: {sorted(spec)})")
+    if spec[feature].shape.rank != 0 or not spec[feature].dtype.is_integer:
+        raise ValueError(f"{where}: must be one integer per example, got {spec[feature].dtype.name} "
+                         f"of shape {spec[feature].shape}")
 
 
 def _packed_batches(
-    cfg: DatasetConfig, packer: packing.Packer, seed: int | None, repeat: bool
+    cfg: DatasetConfig, packer: packing.Packer, seed: int | None, repeat: bool,
+    label_feature: str | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     length = cfg.task_feature_lengths["targets"]
     chunk = FIRST_FIT_CHUNK if packer.strategy == "first_fit" else length * max(1, 1024 // length)
     pending: list[dict[str, np.ndarray]] = []
     have = 0
-    for tokens, lengths in example_chunks(cfg, seed, repeat, chunk):
+    for tokens, lengths, labels in example_chunks(cfg, seed, repeat, chunk, label_feature):
         pending.append(packing.decoder_features(*packer.pack(tokens, lengths, length)))
+        if label_feature:
+            pending[-1][packing.label_batch_feature(label_feature)] = packer.pack_labels(
+                tokens, lengths, labels, length)
         have += len(pending[-1]["decoder_target_tokens"])
         if have < cfg.batch_size:
             continue
@@ -117,7 +156,8 @@ def _packed_batches(
 
 
 def _kernel_batches(
-    cfg: DatasetConfig, packer: packing.Packer, seed: int | None, skip_batches: int, repeat: bool
+    cfg: DatasetConfig, packer: packing.Packer, seed: int | None, skip_batches: int, repeat: bool,
+    label_feature: str | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Kernel-packed batches made on a producer thread, PREFETCH_BATCHES ahead.
 
@@ -140,7 +180,8 @@ def _kernel_batches(
 
     def produce() -> None:
         try:
-            for i, batch in enumerate(_packed_batches(cfg, packer, seed, repeat)):
+            batches = _packed_batches(cfg, packer, seed, repeat, label_feature)
+            for i, batch in enumerate(batches):
                 if i >= skip_batches and not put(batch):
                     return
         except BaseException as err:  # re-raised in the consumer, where the run can report it
