@@ -18,8 +18,9 @@ from capibara_exp import experiment, gin_bridge
 from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
 from capibara_exp.nets.moe import route, routing_metrics
 from capibara_exp.paths import GIN_DIR
-from capibara_exp.runtime import gin_utils, moe, optimizers
+from capibara_exp.runtime import gin_utils, metrics, moe, optimizers
 from tests.conftest import compose_config
+from tests.test_data_routing import built, log_file  # noqa: F401  (the small routing build)
 
 SIZES = dict(vocab_size=64, emb_dim=32, num_heads=2, head_dim=16, num_layers=2, mlp_dim=48)
 SHAPE = (2, 12)
@@ -186,8 +187,8 @@ def lm_batch(labels: bool = False) -> dict:
     tokens = jax.random.randint(jax.random.PRNGKey(5), SHAPE, 1, 64)
     batch = {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
              "decoder_loss_weights": jnp.ones(SHAPE, jnp.float32)}
-    if labels:
-        batch["domain_ids"] = jnp.asarray([1, 3])
+    if labels:  # one label per sequence: [batch] broadcasts over its tokens
+        batch["decoder_domain_id"] = jnp.asarray([1, 3])
     return batch
 
 
@@ -221,7 +222,7 @@ def test_moe_model_on_a_dense_module_names_the_missing_metric() -> None:
 
 def test_router_supervision_teaches_routers_the_domain_labels() -> None:
     net, variables = moe_net()
-    model = make_model(net, router_label_feature="domain_ids", router_supervision_factor=1.0)
+    model = make_model(net, router_label_feature="domain_id", router_supervision_factor=1.0)
     params, batch = variables["params"], lm_batch(labels=True)
     _, sums = model.loss_fn(params, batch, None)
     before = float(sums[moe.MEAN + "experts/router_supervision_loss"])
@@ -242,8 +243,49 @@ def test_router_supervision_teaches_routers_the_domain_labels() -> None:
     _, sums = model.loss_fn(params, batch, None)
     assert float(sums[moe.MEAN + "experts/router_supervision_loss"]) < before / 2
     assert float(sums[moe.MEAN + "experts/router_label_accuracy"]) == 1.0
-    with pytest.raises(KeyError, match="no feature 'domain_ids'"):
+    with pytest.raises(KeyError, match="no feature 'decoder_domain_id'"):
         model.loss_fn(params, lm_batch(labels=False), None)
+
+
+# ----------------------------------------------------------------------------- MFU
+
+
+def test_model_flops_count_the_router_and_k_of_e_experts_as_by_hand() -> None:
+    # SIZES at length 12: per layer q, k, v, o are 32 x 32; a gated MLP is wi_0, wi_1 (32 x
+    # 48) and wo (48 x 32); layer 1's router is 32 x 4; the logits 32 x 64 (the embedding
+    # lookup is no matmul); PaLM's attention term 12 x layers x heads x head_dim x length.
+    attention, mlp, router, logits = 4 * 32 * 32, 3 * 32 * 48, 32 * 4, 32 * 64
+    attention_term = 12 * 2 * 2 * 16 * 12
+    tokens = jnp.ones(SHAPE, jnp.int32)
+
+    def params_of(net) -> dict:
+        init = functools.partial(net.init, enable_dropout=False)
+        return jax.eval_shape(init, jax.random.PRNGKey(0), tokens, tokens)["params"]
+
+    dense = metrics.model_flops_per_token(params_of(Decoder(DecoderConfig(**SIZES))),
+                                          DecoderConfig(**SIZES), 12)
+    assert dense == 6 * (2 * attention + 2 * mlp + logits) + attention_term
+    for k in (1, 2):
+        moe_cfg = MoeConfig(num_experts=4, num_selected_experts=k)
+        params = params_of(MoeDecoder(DecoderConfig(**SIZES), moe_cfg))
+        got = metrics.model_flops_per_token(params, DecoderConfig(**SIZES), 12, moe_cfg)
+        assert got == 6 * (2 * attention + mlp + router + k * mlp + logits) + attention_term
+    # Top-1 over experts as wide as the dense MLP: equal active weights but the router.
+    moe_cfg = MoeConfig(num_experts=4, num_selected_experts=1)
+    top1 = metrics.model_flops_per_token(params_of(MoeDecoder(DecoderConfig(**SIZES), moe_cfg)),
+                                         DecoderConfig(**SIZES), 12, moe_cfg)
+    assert top1 - dense == 6 * router
+    with pytest.raises(ValueError, match="layers_1/mlp/expert/wi_0 is an expert kernel"):
+        metrics.model_flops_per_token(params, DecoderConfig(**SIZES), 12)
+
+
+def test_peak_flops_are_measured_and_stored_in_the_compute_dtype(tmp_path: Path) -> None:
+    path = tmp_path / metrics.PEAK_FILE
+    path.write_text(json.dumps({"matmul_peak_flops": 1.5e11, "dtype": "float32"}))
+    assert metrics.run_peak_flops(tmp_path, "float32") == 1.5e11  # a resume keeps its figure
+    bf16 = metrics.run_peak_flops(tmp_path, "bfloat16")  # a bf16 model: measured in bf16
+    assert bf16 != 1.5e11 and bf16 > 1e8
+    assert json.loads(path.read_text()) == {"matmul_peak_flops": bf16, "dtype": "bfloat16"}
 
 
 # ----------------------------------------------------------------------------- experiment
@@ -264,21 +306,81 @@ def test_moe_e2b_experiments_compose_bridge_and_parse(tmp_path: Path) -> None:
             "@moe_partitioning.MoePjitPartitioner()")
 
 
+TINY = ["experiment=moe_e2b_tiny", "debug=fast", "model.emb_dim=32", "model.num_heads=2",
+        "model.head_dim=16", "model.mlp_dim=64", "data.batch_size=4",
+        "data.task_feature_lengths={targets: 64}", "model.loss_normalizing_factor=256.0"]
+
+
+def test_router_labels_follow_their_segments_on_the_routing_mixture(
+        built, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Real batches of the small routing build: every labelled token belongs to a segment
+    # (and every segment token has a label), one label per segment, and a segment that
+    # starts an example carries the label of the domain its text header names.
+    from capibara_exp.data import routing, routing_tasks
+    from capibara_exp.runtime import inputs
+    from capibara_exp.runtime.config import DatasetConfig
+
+    monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
+    cfg = DatasetConfig(mixture_or_task_name="capibara_e2b_routing",
+                        task_feature_lengths={"targets": 64}, split="train", batch_size=4,
+                        shuffle=True, seed=3, pack=True, module=routing_tasks.__name__)
+    model = make_model(moe_net()[0], router_label_feature="domain_id",
+                       router_supervision_factor=0.1)
+    labelled = inputs.batches(cfg, model.FEATURE_CONVERTER_CLS, 3)
+    plain = inputs.batches(cfg, make_model(moe_net()[0]).FEATURE_CONVERTER_CLS, 3)
+    headers = set()
+    for _ in range(6):
+        batch, same = next(labelled), next(plain)
+        assert sorted(batch) == sorted([*same, "decoder_domain_id"])
+        for k in same:  # the labels change nothing else
+            np.testing.assert_array_equal(batch[k], same[k], err_msg=k)
+        labels, segments = batch["decoder_domain_id"], batch["decoder_segment_ids"]
+        np.testing.assert_array_equal(labels >= 0, segments != 0)
+        for row in range(labels.shape[0]):
+            for seg in np.unique(segments[row][segments[row] > 0]):
+                at = segments[row] == seg
+                assert len(np.unique(labels[row][at])) == 1
+                text = bytes(int(t) - 3 for t in batch["decoder_target_tokens"][row][at]
+                             if 3 <= t < 259).decode("utf-8", "replace")
+                if text.startswith("<domain:"):
+                    domain = text[len("<domain:"):].split(">", 1)[0]
+                    assert labels[row][at][0] == routing.DOMAINS.index(domain), text[:40]
+                    headers.add(domain)
+    assert len(headers) >= 2  # the check met examples' starts of several domains
+
+
 @pytest.mark.slow
-def test_moe_e2b_tiny_trains_a_few_steps_with_expert_metrics(tmp_path: Path, data_dir) -> None:
-    # bytes_lm, not the experiment's routing mixture: building that runs about 1,400 cells
-    # (tests/test_data_routing.py trains nothing but checks the mixture on a small build).
-    # EMA on: the MoE trainer takes the local engine's features like the dense one.
-    cfg = compose_config([f"model_dir={tmp_path}", "experiment=moe_e2b_tiny", "debug=fast",
-                          "data=bytes_lm", "ema=default",
-                          "model.emb_dim=32", "model.num_heads=2", "model.head_dim=16",
-                          "model.mlp_dim=64", "data.batch_size=4",
-                          "data.task_feature_lengths={targets: 64}"])
+def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
+        tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The experiment's own data (a small build of the routing mixture), debug=fast, EMA
+    # (the MoE trainer takes the local engine's features like the dense one) and router
+    # supervision from the domain labels; then the plot command draws the expert panels.
+    from capibara_exp import plots
+
+    monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
+    cfg = compose_config([f"model_dir={tmp_path}", *TINY, "ema=default",
+                          "router_supervision=domain"])
     step, state = gin_utils.run_train(experiment.write_gin(cfg, tmp_path, {}))
     assert step == 4
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
     evals = [r for r in records if r["split"] == "train_eval"]
     assert evals and 0.0 <= evals[-1]["experts/layers_1/fraction_tokens_left_behind"] <= 1.0
     assert 0.0 < evals[-1]["experts/layers_1/expert_usage"] <= 1.0
     assert evals[-1]["experts/layers_1/max_load"] >= 1.0
+    for r in (train[-1], evals[-1]):
+        assert 0.0 <= r["experts/router_label_accuracy"] <= 1.0
+        assert r["experts/router_supervision_loss"] > 0.0
     assert list((tmp_path / "train_eval").glob("events.out.tfevents.*"))
+    drawn = plots.panels(records)
+    assert drawn["experts: max_load per layer"] == ["experts/layers_1/max_load"]
+    assert "experts/router_label_accuracy" in drawn
+    assert plots.render(tmp_path, tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_router_supervision_is_a_local_only_group() -> None:
+    cfg = compose_config(["experiment=moe_e2b_tiny", "router_supervision=domain"])
+    with pytest.raises(gin_bridge.ConfigError, match="router_supervision: the local engine's"):
+        gin_bridge.render(cfg, "t5x", GIN_DIR)
+    local = gin_bridge.render(cfg, "local", GIN_DIR)
+    assert "ROUTER_LABEL_FEATURE = 'domain_id'  # router_supervision.router_label_feature" in local

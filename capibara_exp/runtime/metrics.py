@@ -36,14 +36,14 @@ PEAK_FILE = "peak_flops.json"
 
 
 @functools.cache
-def matmul_peak_flops(n: int = 2048, repeats: int = 6) -> float:
-    """Best observed f32 FLOP/s of an n x n x n jitted matmul on the default device (once per
-    process: the figure MFU is measured against)."""
+def matmul_peak_flops(n: int = 2048, repeats: int = 6, dtype: str = "float32") -> float:
+    """Best observed FLOP/s of an n x n x n jitted matmul in `dtype` on the default device
+    (once per process and dtype: the figure MFU is measured against)."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
     mm = jax.jit(jnp.matmul)
     mm(a, b).block_until_ready()
     best = float("inf")
@@ -54,27 +54,39 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 6) -> float:
     return 2 * n**3 / best
 
 
-def run_peak_flops(model_dir: str | Path) -> float:
-    """This machine's measured matmul peak, cached in the run dir so a resumed run's MFU is
-    measured against the same figure."""
+def run_peak_flops(model_dir: str | Path, dtype: str = "float32") -> float:
+    """This machine's measured matmul peak in the model's compute dtype, cached in the run
+    dir (with its dtype) so a resumed run's MFU is measured against the same figure."""
     path = Path(model_dir) / PEAK_FILE
     if path.exists():
-        return float(json.loads(path.read_text())["matmul_peak_flops"])
-    peak = matmul_peak_flops()
-    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": "float32"}) + "\n")
+        stored = json.loads(path.read_text())
+        if stored.get("dtype", "float32") == dtype:
+            return float(stored["matmul_peak_flops"])
+    peak = matmul_peak_flops(dtype=dtype)
+    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": dtype}) + "\n")
     return peak
 
 
-def model_flops_per_token(params: Any, config: Any, length: int) -> float:
-    """Analytic training FLOPs per token (PaLM's count): 6 x matmul weights + 12 x layers x
-    heads x head_dim x length for attention. Embedding lookups are not matmuls and are left
-    out unless the logits reuse the table; every expert of a MoE layer counts (an upper bound)."""
+def model_flops_per_token(params: Any, config: Any, length: int, moe_config: Any = None) -> float:
+    """Analytic training FLOPs per token (PaLM's count): 6 x matmul weights a token meets +
+    12 x layers x heads x head_dim x length for attention.
+
+    Embedding lookups are not matmuls and are left out unless the logits reuse the table.
+    A MoE layer counts its router and k of its E experts (`moe_config.num_selected_experts`
+    of `num_experts`: the weights each token's compute uses); the dispatch and combine
+    einsums move tokens and are not model FLOPs."""
     import jax
 
-    weights = 0
+    weights = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name == "kernel" or (name == "embedding" and getattr(config, "logits_via_embedding", 0)):
+        names = [str(getattr(k, "key", k)) for k in path]
+        if len(names) > 1 and names[-2] == "expert":  # [E, ...] kernels of a MoE layer
+            if moe_config is None:
+                raise ValueError(f"model_flops_per_token: {'/'.join(names)} is an expert kernel; "
+                                 "pass the network's moe_config")
+            weights += leaf.size * moe_config.num_selected_experts / moe_config.num_experts
+        elif names[-1] == "kernel" or (names[-1] == "embedding"
+                                       and getattr(config, "logits_via_embedding", 0)):
             weights += leaf.size
     attention = 0
     if config is not None and hasattr(config, "num_layers"):

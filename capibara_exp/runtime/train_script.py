@@ -174,12 +174,14 @@ def train(
 
     max_skips = trainer.max_consecutive_skips if trainer.skip_nonfinite_updates else None
     window = _Window(batch_size * length, max_skips)
+    net_config = getattr(model.module, "config", None)
     window.flops_per_step = batch_size * length * model_flops_per_token(
-        getattr(model, "frozen_params", None) or state.params,
-        getattr(model.module, "config", None), length)
-    # One device's measured peak times the devices the step runs on (simulated CPU devices
-    # share the host's cores, so there MFU reads low).
-    window.peak_flops = run_peak_flops(model_dir) * jax.device_count()
+        getattr(model, "frozen_params", None) or state.params, net_config, length,
+        getattr(model.module, "moe_config", None))
+    # One device's measured peak in the compute dtype times the devices the step runs on
+    # (simulated CPU devices share the host's cores, so there MFU reads low).
+    window.peak_flops = run_peak_flops(model_dir, getattr(net_config, "dtype", "float32")
+                                       ) * jax.device_count()
     step, stop = start_step, False
     while step < total_steps and not stop:
         host_batch = window.next_batch(train_iter)
