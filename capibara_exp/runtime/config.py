@@ -26,6 +26,15 @@ def reject_unsupported(owner: str, **params: Any) -> None:
                 "support; remove the binding or run with engine=t5x")
 
 
+def require_value(owner: str, name: str, value: Any, supported: Any, behaviour: str) -> None:
+    """Raise unless a T5X parameter has the one value whose behaviour the local engine has."""
+    if value != supported:
+        raise UnsupportedParameter(
+            f"{owner}.{name}={value!r} is not supported by the local engine, which always "
+            f"{behaviour} (T5X's {name}={supported!r}); remove the binding or run with "
+            "engine=t5x")
+
+
 @dataclasses.dataclass
 class DatasetConfig:
     """One data set: a SeqIO task or mixture, split, batch and packing."""
@@ -46,6 +55,8 @@ class DatasetConfig:
     def __post_init__(self) -> None:
         reject_unsupported("utils.DatasetConfig", use_cached=self.use_cached,
                            use_custom_packing_ops=self.use_custom_packing_ops)
+        require_value("utils.DatasetConfig", "use_memory_cache", self.use_memory_cache, True,
+                      "keeps the train-eval batches in memory")
         if self.batch_size <= 0:
             raise ValueError(f"utils.DatasetConfig.batch_size must be positive, got {self.batch_size}")
         if not self.task_feature_lengths:
@@ -68,17 +79,27 @@ class SaveCheckpointConfig:
 
     def __post_init__(self) -> None:
         reject_unsupported("utils.SaveCheckpointConfig", save_dataset=self.save_dataset,
+                           keep_dataset_checkpoints=self.keep_dataset_checkpoints,
                            checkpointer_cls=self.checkpointer_cls,
                            state_transformation_fns=tuple(self.state_transformation_fns),
                            checkpoint_manager_cls=self.checkpoint_manager_cls)
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"utils.SaveCheckpointConfig.keep must be >= 1 or None, got {self.keep}")
+        steps = self.checkpoint_steps
+        if steps is not None and (isinstance(steps, (str, Mapping)) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in steps)):
+            raise ValueError("utils.SaveCheckpointConfig.checkpoint_steps must be a list of "
+                             f"positive step numbers, got {steps!r}")
         _check_dtype("utils.SaveCheckpointConfig.dtype", self.dtype)
 
 
 @dataclasses.dataclass
 class RestoreCheckpointConfig:
-    """Where to restore from. The data position is restored with the step (deterministic input)."""
+    """Where to restore from. The data position is restored with the step (deterministic input).
+
+    As in T5X, mode 'latest' with no checkpoint under `path` starts from scratch, and
+    `fallback_to_scratch` means something else: initialise parameters that the checkpoint
+    lacks (with `state_transformation_fns`), which the local engine does not do."""
 
     path: str | Sequence[str]
     mode: str = "latest"
@@ -96,9 +117,13 @@ class RestoreCheckpointConfig:
             raise ValueError(f"utils.RestoreCheckpointConfig.mode: '{self.mode}' is not supported "
                              "by the local engine (use 'latest' or 'specific')")
         reject_unsupported("utils.RestoreCheckpointConfig", assignment_map=self.assignment_map,
+                           fallback_to_scratch=self.fallback_to_scratch,
+                           restore_dataset=self.restore_dataset,
                            checkpointer_cls=self.checkpointer_cls,
                            state_transformation_fns=tuple(self.state_transformation_fns),
                            checkpoint_manager_cls=self.checkpoint_manager_cls)
+        require_value("utils.RestoreCheckpointConfig", "strict", self.strict, True,
+                      "restores every optimizer parameter from the checkpoint")
         if self.dtype is not None:
             _check_dtype("utils.RestoreCheckpointConfig.dtype", self.dtype)
 
