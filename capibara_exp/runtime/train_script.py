@@ -23,7 +23,13 @@ from jax.sharding import PartitionSpec
 from capibara_exp.kernels import segment_stats
 from capibara_exp.runtime import checkpoints, inputs
 from capibara_exp.runtime import curriculum as staged
-from capibara_exp.runtime.config import CheckpointConfig, DatasetConfig, reject_unsupported
+from capibara_exp.runtime.config import (
+    CheckpointConfig,
+    DatasetConfig,
+    UnsupportedParameter,
+    reject_unsupported,
+    require_value,
+)
 from capibara_exp.runtime.metrics import (
     MetricsWriter,
     Progress,
@@ -52,6 +58,26 @@ def _periods_check(total_steps: int, eval_period: int | None, save_period: int |
             raise ValueError(f"{name}={period} is not a multiple of {epoch}, the shortest of "
                              f"{', '.join(f'{n}={p}' for n, p in periods.items() if p)}")
     return epoch
+
+
+def _check_actions(actions: Mapping[str, Sequence[BaseAction]] | None,
+                   concurrent_metrics: bool) -> dict[str, list[BaseAction]]:
+    """T5X's action modes that the local engine runs: TRAIN_EVAL, and TRAIN after each train
+    report (T5X runs TRAIN actions only with concurrent_metrics=False and skips them otherwise)."""
+    actions = {mode: list(acts) for mode, acts in (actions or {}).items()}
+    unknown = set(actions) - {"TRAIN", "TRAIN_EVAL", "INFER_EVAL"}
+    if unknown:
+        raise ValueError(f"train_script.train.actions: modes {sorted(unknown)} are not T5X's "
+                         "action modes (TRAIN, TRAIN_EVAL, INFER_EVAL)")
+    if actions.get("INFER_EVAL"):
+        raise UnsupportedParameter(
+            "train_script.train.actions['INFER_EVAL'] would never run: the local engine has no "
+            "inference evaluation; bind the action under TRAIN_EVAL or run with engine=t5x")
+    if actions.get("TRAIN") and concurrent_metrics:
+        raise UnsupportedParameter(
+            "train_script.train.actions['TRAIN'] needs train_script.train.concurrent_metrics = "
+            "False (T5X skips TRAIN actions when metrics are computed concurrently)")
+    return actions
 
 
 def _opt_state_axes(opt_shapes: Any, param_axes: Any) -> Any:
@@ -136,8 +162,14 @@ def train(
                        train_eval_get_dataset_fn=train_eval_get_dataset_fn,
                        train_state_initializer_cls=train_state_initializer_cls,
                        verify_matching_vocabs_fn=verify_matching_vocabs_fn)
-    del concurrent_metrics, use_orbax, gc_period  # always Orbax, synchronous metrics
+    require_value("train_script.train", "use_orbax", use_orbax, True, "checkpoints with Orbax")
+    require_value("train_script.train", "gc_period", gc_period, 0,
+                  "leaves garbage collection to Python")
+    # Metrics are computed synchronously whatever concurrent_metrics says; it only decides,
+    # as in T5X, whether TRAIN actions may run.
+    actions = _check_actions(actions, concurrent_metrics)
     save_cfg, restore_cfg = checkpoint_cfg.save, checkpoint_cfg.restore
+    extra_save_steps = set(save_cfg.checkpoint_steps or ()) if save_cfg else set()
     epoch = _periods_check(total_steps, eval_period, save_cfg.period if save_cfg else None)
     stats_period = stats_period or epoch
     stages = staged.parse_stages(curriculum, total_steps) if curriculum else None
@@ -183,6 +215,11 @@ def train(
     window.peak_flops = run_peak_flops(model_dir, getattr(net_config, "dtype", "float32")
                                        ) * jax.device_count()
     step, stop = start_step, False
+    task = train_eval_dataset_cfg.mixture_or_task_name if train_eval_dataset_cfg else None
+    if run_eval_before_training and eval_batches:
+        metrics_by_task = _train_eval(trainer, state, eval_batches, task, step, writer, progress)
+        for action in actions.get("TRAIN_EVAL", []):
+            stop = action.run(state, metrics_by_task) or stop
     while step < total_steps and not stop:
         host_batch = window.next_batch(train_iter)
         state, step_metrics = trainer.train_step(state, jax.device_put(host_batch, data_sharding))
@@ -200,19 +237,23 @@ def train(
             writer.write(step, "train", m)
             progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"],
                             m.get("data_wait_share"))
+            for action in actions.get("TRAIN", []):
+                stop = action.run(state, {"train": m}) or stop
         if end_of_epoch:
             metrics_by_task = {}
             if eval_batches and (final or step % (eval_period or total_steps) == 0):
-                eval_m = summarize(_sum_metrics([trainer.eval_step(state, b) for b in eval_batches]))
-                writer.write(step, "train_eval", eval_m)
-                metrics_by_task[train_eval_dataset_cfg.mixture_or_task_name] = eval_m
-                progress.message(f"step {step}: eval loss {eval_m['loss']:.4f} "
-                                 f"accuracy {eval_m['accuracy']:.4f}")
-            if mgr and (final or step % (save_cfg.period or total_steps) == 0):
+                metrics_by_task = _train_eval(trainer, state, eval_batches, task, step, writer,
+                                              progress)
+            if mgr and (final or step % (save_cfg.period or total_steps) == 0
+                        or step in extra_save_steps):
                 checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
-            for action in (actions or {}).get("TRAIN_EVAL", []):
+            for action in actions.get("TRAIN_EVAL", []):
                 stop = action.run(state, metrics_by_task) or stop
             window.reset()  # evaluation and checkpointing are not step time
+        elif mgr and step in extra_save_steps:  # T5X's checkpoint_steps: extra steps to save
+            t0 = time.perf_counter()
+            checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
+            window.t0 += time.perf_counter() - t0  # checkpointing is not step time
     if stop and mgr and step not in checkpoints.steps(model_dir):
         checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
     if mgr:
@@ -306,6 +347,9 @@ def _restore(state: TrainState, cfg: Any, model_dir: str, progress: Progress
     if cfg is None:
         return state, 0
     for path in cfg.paths:
+        if cfg.mode == "latest" and not Path(path).is_dir():  # as in T5X
+            raise ValueError(f"utils.RestoreCheckpointConfig.path: {path} is not a directory "
+                             "(mode 'latest' looks for checkpoint_<step> in one)")
         found = checkpoints.steps(path) if cfg.mode == "latest" else []
         if cfg.mode == "specific":
             ckpt = Path(path)
@@ -320,9 +364,19 @@ def _restore(state: TrainState, cfg: Any, model_dir: str, progress: Progress
             progress.message(f"restored {path}/checkpoint_{found[-1]}")
             restored = state.restore_state(tree)
             return restored, int(jax.device_get(restored.step))
-    if not cfg.fallback_to_scratch and cfg.mode == "specific":
+    if cfg.mode == "specific":
         raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at {cfg.path}")
-    return state, 0
+    return state, 0  # as in T5X: mode 'latest' and no checkpoint yet is a start from scratch
+
+
+def _train_eval(trainer: Trainer, state: TrainState, eval_batches: list[dict], task: str,
+                step: int, writer: MetricsWriter, progress: Progress) -> dict[str, dict]:
+    """One train-eval pass, written and shown; T5X's metrics_by_task for the actions."""
+    eval_m = summarize(_sum_metrics([trainer.eval_step(state, b) for b in eval_batches]))
+    writer.write(step, "train_eval", eval_m)
+    progress.message(f"step {step}: eval loss {eval_m['loss']:.4f} "
+                     f"accuracy {eval_m['accuracy']:.4f}")
+    return {task: eval_m}
 
 
 def _eval_batches(cfg: DatasetConfig | None, model: Any, eval_steps: int) -> list[dict]:
