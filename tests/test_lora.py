@@ -11,9 +11,13 @@ import pytest
 from flax import traverse_util
 
 import gin
-from capibara_exp.runtime import lora
+from capibara_exp import gin_bridge
+from capibara_exp.paths import GIN_DIR
+from capibara_exp.runtime import checkpoints, gin_utils, lora, moe
+from capibara_exp.runtime.train_script import initial_state
+from tests.conftest import compose_config
 from tests.test_features import make_model
-from tests.test_train import leaves_equal, read_checkpoint, train
+from tests.test_train import TINY, leaves_equal, read_checkpoint, train
 from tests.test_trainer import batch
 
 COMMON = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
@@ -74,3 +78,40 @@ def test_target_patterns_that_match_nothing_name_the_module_paths(tmp_path: Path
         model.targets(params)
     with pytest.raises(FileNotFoundError, match=r"base_checkpoint: no checkpoint in"):
         _ = model.frozen_params
+
+
+@pytest.mark.slow
+def test_lora_wraps_the_model_groups_model_a_moe_one_included(tmp_path: Path) -> None:
+    # lora.gin wraps the model group's BASE_MODEL, so experiment=moe_e2b_tiny gets adapters
+    # on its MoeDecoderOnlyModel. Two MoeTrainer steps from gin train only the adapters,
+    # with the MoE losses in the objective; the base, read from a real checkpoint, stays
+    # bit-identical.
+    base_dir = tmp_path / "base"
+    cfg = compose_config([f"model_dir={tmp_path / 'lora'}", "experiment=moe_e2b_tiny", *TINY,
+                          "data=bytes_lm", "lora=default", f"lora.lora_base_checkpoint={base_dir}"])
+    gin_utils.parse(tmp_path / "config.gin", gin_bridge.render(cfg, "local", GIN_DIR))
+    get = lambda name: gin.query_parameter(name).scoped_configurable_fn  # noqa: E731
+    model = get("train_script.train.model")()
+    assert isinstance(model, lora.LoraModel) and isinstance(model.base, moe.MoeDecoderOnlyModel)
+    init = jax.jit(model.base.get_initial_variables, static_argnums=(1, 2))
+    base_params = init(jax.random.PRNGKey(0), 4, 16)["params"]
+    mgr = checkpoints.manager(base_dir)  # T5X's layout: the params are the 'target'
+    checkpoints.save(mgr, 1, {"state": {"step": np.int32(1)}, "target": base_params})
+    mgr.close()
+
+    state, axes = initial_state(model, jax.random.PRNGKey(1), 4, 16)
+    partitioner = get("train_script.train.partitioner")()
+    trainer = get("train_script.train.trainer_cls")(
+        model=model, train_state=state, partitioner=partitioner, eval_names=[],
+        summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(2))
+    assert isinstance(trainer, moe.MoeTrainer)
+    example = jax.device_put(batch(), partitioner.data_sharding())
+    state = trainer.prepare_state(state)
+    for _ in range(2):  # the warm-up's first rate is 0
+        state, metrics = trainer.train_step(state, example)
+    flat = traverse_util.flatten_dict(jax.device_get(state.params), sep="/")
+    assert sorted(flat) == [f"layers_{i}/self_attention/{m}/lora_{ab}"
+                            for i in (0, 1) for m in ("query", "value") for ab in "ab"]
+    assert np.abs(flat["layers_1/self_attention/query/lora_b"]).max() > 0
+    assert float(metrics[moe.MEAN + "experts/auxiliary_loss"]) > 0
+    assert leaves_equal(model.frozen_params, base_params)
