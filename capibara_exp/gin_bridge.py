@@ -62,6 +62,7 @@ COMMON_IMPORTS = (
     "import seqio",
 )
 BODY_MARKER = "# ---- body: identical for every engine ----"
+BINDING_MARK = "# gin_bindings["  # + "<i>]: <key>" before each of gin_bindings' lines
 
 _REQUIRED_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*%gin\.REQUIRED\s*(#.*)?$")
 _INCLUDE_RE = re.compile(r"""^include\s+(['"])(.+)\1\s*$""")
@@ -205,7 +206,8 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
             if not eq or not _BINDING_KEY_RE.match(key.strip()) or not value.strip():
                 raise ConfigError(f"gin_bindings[{i}]: {binding!r} is not a gin binding "
                                   "'scope/name.param = value'")
-            out.append(f"{key.strip()} = {value.strip()}")
+            # The marker names the entry, for errors about this line (runtime/gin_utils.py).
+            out += [f"{BINDING_MARK}{i}]: {key.strip()}", f"{key.strip()} = {value.strip()}"]
     return "\n".join(out) + "\n"
 
 
