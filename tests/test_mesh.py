@@ -1,7 +1,13 @@
-"""Sharded training on 8 simulated CPU devices: the step-1 (and step-2) loss on data x model
-and data x expert x model meshes equals the single-device loss; experts really are split
+"""Sharded training on 8 simulated CPU devices: the step-1 (and step-2) objective on data x
+model and data x expert x model meshes equals the single-device one; experts really are split
 (expert-sharded weights, all-to-all in the compiled step); impossible meshes are errors
 that name their sizes before anything compiles.
+
+The objective is the token loss plus, for MoE, the load-balancing and router z-loss terms
+as the model adds them. The MoE reference runs the same config on one device, with
+num_expert_partitions=2: MoeTrainer scales expert gradients by it (as T5X does), so step 2
+matches only because both runs use the same scale. A run with another expert partitioning
+has the same step-1 objective but, with plain SGD or clipping, different updates.
 
 XLA_FLAGS must be set before JAX starts, so the checks run in one subprocess
 (`python -m tests.test_mesh`) that prints a JSON report this module asserts on.
@@ -75,12 +81,18 @@ def _run(model, partitioner, trainer_cls, single_device: bool, **trainer_kw) -> 
     placed = jax.device_put(batch, partitioner.data_sharding())
     with partitioner.activation_context():
         hlo = trainer._train_step.lower(state, placed).compile().as_text()
-    losses = []
+    terms = {"losses": [], "aux": [], "router_z": [], "objective": []}
     for _ in range(2):
         state, metrics = trainer.train_step(state, placed)
-        losses.append(float(metrics["loss_sum"]))
+        # Per-batch means (one batch): the aux terms exactly as the model adds them.
+        aux = float(metrics.get("batch_mean/experts/auxiliary_loss", 0.0))
+        router_z = float(metrics.get("batch_mean/experts/router_z_loss", 0.0))
+        terms["losses"].append(float(metrics["loss_sum"]))
+        terms["aux"].append(aux)
+        terms["router_z"].append(router_z)
+        terms["objective"].append(float(metrics["loss_sum"]) + aux + router_z)
     expert = state.params.get("layers_1", {}).get("mlp", {}).get("expert", {}).get("wi_0")
-    return {"losses": losses, "all_to_all": "all-to-all" in hlo,
+    return {**terms, "all_to_all": "all-to-all" in hlo,
             "expert_spec": None if expert is None else str(expert.sharding.spec)}
 
 
@@ -159,6 +171,7 @@ def test_dense_loss_on_a_data_model_mesh_equals_one_device(report: dict, mesh: s
     got, want = report["dense"][mesh], report["dense_reference"]
     data, model = (int(n) for n in mesh.split("x"))
     assert got["mesh"] == {"data": data, "model": model}
+    assert got["objective"] == got["losses"]  # dense: the token loss is the objective
     assert got["losses"] == pytest.approx(want["losses"], rel=RTOL)
 
 
@@ -166,7 +179,9 @@ def test_dense_loss_on_a_data_model_mesh_equals_one_device(report: dict, mesh: s
 def test_moe_loss_on_a_data_expert_model_mesh_equals_one_device(report: dict) -> None:
     got, want = report["moe"], report["moe_reference"]
     assert got["mesh"] == {"data": 2, "expert": 2, "model": 2}
-    assert got["losses"] == pytest.approx(want["losses"], rel=RTOL)
+    assert all(a > 0 for a in got["aux"] + got["router_z"])  # the terms are really there
+    for term in ("objective", "losses", "aux", "router_z"):
+        assert got[term] == pytest.approx(want[term], rel=RTOL), term
     # Expert kernels [E, D, F] split over experts and the model axis; tokens move by all-to-all.
     assert got["expert_spec"] == "P('expert', None, 'model')"
     assert got["all_to_all"] and not want["all_to_all"]
