@@ -1,4 +1,5 @@
-"""MoE vs dense step time and FLOP utilisation at equal active parameters; 8 devices vs 1.
+"""MoE vs dense step time and FLOP utilisation at equal active parameters; 8 devices vs 1;
+microbatching overhead. All three sets of ratios in one run.
 
 Dense: a decoder with MLP width F in every layer. MoE: the same decoder with every second
 MLP replaced by E experts of width F and top-1 routing, so each token meets the same
@@ -13,8 +14,11 @@ the two models step in turn, so load from other jobs hits both alike. Utilisatio
 XLA-counted FLOPs per step / step time / this CPU's f32 matmul peak measured in the same
 process. On one CPU the 8 simulated devices share its cores: "8 vs 1" shows partitioning
 overhead and XLA's different CPU threading, not a multi-chip speed-up.
+The 1-device process then times both models at num_microbatches 1, 2 and 4 (same global
+batch) with bench/microbatch.py's interleaved timing, and prints each setting's ratio to 1.
 
     python bench/moe.py [--steps 15] [--rounds 2] [--batch 16] [--length 128]
+                        [--mb-rounds 3] [--mb-steps 4]   (--mb-rounds 0: no microbatching)
 """
 
 from __future__ import annotations
@@ -50,6 +54,23 @@ def build(kind: str, devices: int):
             {"num_expert_partitions": expert_parts})
 
 
+def make_trainer(kind: str, devices: int, batch_size: int, length: int,
+                 num_microbatches: int | None = None):
+    """(trainer, state on its devices) of one model."""
+    import jax
+
+    from capibara_exp.runtime.train_script import initial_state
+
+    model, partitioner, trainer_cls, extra = build(kind, devices)
+    state, axes = initial_state(model, jax.random.PRNGKey(0), batch_size, length)
+    trainer = trainer_cls(
+        model=model, train_state=state, partitioner=partitioner, eval_names=[],
+        summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(1),
+        learning_rate_fn=lambda step: 1e-3, num_microbatches=num_microbatches, **extra)
+    trainer.check_batch_size(batch_size)
+    return trainer, jax.device_put(state, trainer.state_shardings)
+
+
 class Runner:
     """One model's trainer, state and device batch, stepped on demand."""
 
@@ -57,21 +78,13 @@ class Runner:
         import jax
         import numpy as np
 
-        from capibara_exp.runtime.train_script import initial_state
-
-        model, partitioner, trainer_cls, extra = build(kind, devices)
-        state, axes = initial_state(model, jax.random.PRNGKey(0), batch_size, length)
-        self.trainer = trainer_cls(
-            model=model, train_state=state, partitioner=partitioner, eval_names=[],
-            summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(1),
-            learning_rate_fn=lambda step: 1e-3, num_microbatches=None, **extra)
-        self.trainer.check_batch_size(batch_size)
+        self.trainer, self.state = make_trainer(kind, devices, batch_size, length)
+        partitioner = self.trainer.partitioner
         tokens = np.random.default_rng(0).integers(3, 259, (batch_size, length)).astype(np.int32)
         self.batch = jax.device_put(
             {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
              "decoder_loss_weights": np.ones_like(tokens, np.float32)},
             partitioner.data_sharding())
-        self.state = jax.device_put(state, self.trainer.state_shardings)
         with partitioner.activation_context():
             lowered = self.trainer._train_step.lower(self.state, self.batch)
             cost = lowered.compile().cost_analysis()
@@ -114,14 +127,31 @@ def child(args: argparse.Namespace) -> None:
             runner.step()
     out = {"devices": devices, "peak_flops": matmul_peak_flops()}
     out.update({kind: runner.result() for kind, runner in runners.items()})
+    if devices == 1 and args.mb_rounds:
+        out["microbatch"] = microbatch_times(runners, args)
     print(json.dumps(out))
+
+
+def microbatch_times(runners: dict, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per model, num_microbatches -> median seconds per step (bench/microbatch.py's timing)."""
+    from microbatch import time_settings  # sibling script: bench/ is the script dir on sys.path
+
+    out = {}
+    for kind, runner in runners.items():
+        del runner.state  # the timed states of the first part are done with
+        times = time_settings(
+            lambda n, kind=kind: make_trainer(kind, 1, args.batch, args.length, n),
+            runner.batch, args.mb_rounds, args.mb_steps)
+        out[kind] = {str(n): statistics.median(t) for n, t in times.items()}
+    return out
 
 
 def run_child(devices: int, args: argparse.Namespace) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--batch",
-           str(args.batch), "--length", str(args.length)]
+           str(args.batch), "--length", str(args.length), "--mb-rounds", str(args.mb_rounds),
+           "--mb-steps", str(args.mb_steps)]
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, check=False)
     if out.returncode:
         sys.exit(f"bench/moe.py: the {devices}-device run failed:\n{out.stderr[-3000:]}")
@@ -147,6 +177,9 @@ def report(runs: dict[int, dict]) -> None:
     for kind in ("dense", "moe"):
         print(f"{kind} 8 devices / 1 device step time: "
               f"{eight[kind]['step_s'] / one[kind]['step_s']:.2f}")
+    for kind, times in one.get("microbatch", {}).items():
+        print(f"{kind} microbatching, step time / num_microbatches=1 (1 device): " + ", ".join(
+            f"{n} -> {t / times['1']:.2f} ({t * 1e3:.0f} ms)" for n, t in times.items()))
 
 
 def main() -> None:
@@ -156,6 +189,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternate 1- and 8-device processes this many times")
+    parser.add_argument("--mb-rounds", type=int, default=3,
+                        help="microbatching: timed rounds per setting (0: skip)")
+    parser.add_argument("--mb-steps", type=int, default=4, help="microbatching: steps per round")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -173,6 +209,9 @@ def median_run(runs: list[dict]) -> dict:
         step_s = statistics.median(r[kind]["step_s"] for r in runs)
         out[kind] = dict(runs[0][kind], step_s=step_s,
                          tokens_per_s=runs[0][kind]["tokens"] / step_s)
+    if "microbatch" in runs[0]:
+        out["microbatch"] = {kind: {n: statistics.median(r["microbatch"][kind][n] for r in runs)
+                                    for n in times} for kind, times in runs[0]["microbatch"].items()}
     return out
 
 
