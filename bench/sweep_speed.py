@@ -37,7 +37,8 @@ def cli(*args: str) -> float:
     return time.perf_counter() - start
 
 
-def sweep(sweep_dir: Path, common: list[str], trials: int, *extra: str) -> tuple[float, optuna.Study]:
+def sweep(sweep_dir: Path, common: list[str], trials: int,
+          *extra: str) -> tuple[float, optuna.Study]:
     seconds = cli("-m", "hydra/sweeper=capibara_optuna", f"hydra.sweeper.n_trials={trials}",
                   "hydra.sweeper.sampler=random", "hydra.sweeper.seed=0",
                   f"hydra.sweep.dir={sweep_dir}", f"{LR}=tag(log, interval(1e-3, 1e-2))",
@@ -63,7 +64,8 @@ def main() -> None:
     cli(*common, f"hydra.run.dir={work / 'warmup'}")  # builds the data set; not timed
 
     reuse_s, study = sweep(work / "reuse", common, args.trials)
-    no_reuse_s, _ = sweep(work / "no_reuse", common, args.trials, "hydra.sweeper.compile_cache=false")
+    no_reuse_s, _ = sweep(work / "no_reuse", common, args.trials,
+                          "hydra.sweeper.compile_cache=false")
     lrs = [t.params[LR] for t in study.trials]
     fresh_s = sum(cli(*common, f"{LR}={lr!r}", f"hydra.run.dir={work / 'fresh' / str(i)}")
                   for i, lr in enumerate(lrs))
@@ -74,6 +76,8 @@ def main() -> None:
     print(f"  in-process, no reuse      : {no_reuse_s:7.1f} s  = {no_reuse_s / reuse_s:.2f}x reuse")
     print(f"  fresh process per trial   : {fresh_s:7.1f} s  = {fresh_s / reuse_s:.2f}x reuse "
           f"(goal >= 3x)")
+    print(f"  goal met: {'yes' if fresh_s / reuse_s >= 3 else 'NO'} (in-process with reuse is "
+          f"{fresh_s / reuse_s:.2f}x faster than a fresh process per trial)")
 
     long = 4 * s
     pcommon = [*common[:1], f"trainer.train_steps={long}", f"trainer.eval_period={s // 4 or 1}",
@@ -86,6 +90,9 @@ def main() -> None:
     print(f"  median pruner : {cut} trial-steps ({1 - cut / full:.0%} saved), best eval loss "
           f"{pruned.best_value:.4f}, {sum(t.state.name == 'PRUNED' for t in pruned.trials)} "
           "trials pruned")
+    same = plain.best_trial.params == pruned.best_trial.params
+    print(f"  same best trial with and without pruning: {'yes' if same else 'NO'} "
+          f"(best value {pruned.best_value - plain.best_value:+.4f} with pruning)")
     print(f"(work dir {work})")
 
 

@@ -5,18 +5,47 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
 import optuna.distributions as od
 import pytest
 import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
+from capibara_exp.cli import register_resolvers
 from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.paths import CONF_DIR
 from capibara_exp.sweeping import space, study
 
 ROOT = Path(__file__).resolve().parents[1]
+SWEEP_FILES = sorted((ROOT / "sweeps").glob("*.yaml"))
+
+
+def composed(overrides: list[str], hydra: bool = False, config_dir: Path | None = None
+             ) -> DictConfig:
+    """The config a command line composes (with `--config-dir config_dir`), run nothing."""
+    register_resolvers()
+    if config_dir is not None:  # what --config-dir does: one more config dir to search
+        overrides = [f"hydra.searchpath=[file://{config_dir}]", *overrides]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=hydra)
+
+
+def sweeper_settings(sweeper: DictConfig) -> dict:
+    """hydra.sweeper as SweepSettings' keywords (as the sweeper plugin builds them)."""
+    return {k: v for k, v in OmegaConf.to_container(sweeper, resolve=True).items()
+            if k != "_target_"}
+
+
+def shipped_command(sweep_file: Path) -> list[str]:
+    """The arguments of the command a sweep file opens with ("# capibara-exp -m ARGS")."""
+    command = sweep_file.read_text().splitlines()[1]
+    assert command.startswith("# capibara-exp -m "), command
+    return command.split()[3:]
 
 # ----------------------------------------------------------------------------- search spaces
 
@@ -34,6 +63,10 @@ ROOT = Path(__file__).resolve().parents[1]
         ("a=tag(log, interval(1e-5, 1e-2))", od.FloatDistribution(1e-5, 1e-2, log=True)),
         ("a=tag(int, interval(1, 8))", od.IntDistribution(1, 8)),
         ("a=tag(int, log, interval(1, 8))", od.IntDistribution(1, 8, log=True)),
+        # Hydra's casts, as users of the official plugin write them: int bounds, int values
+        ("a=int(interval(1, 8))", od.IntDistribution(1, 8)),
+        ("a=tag(log, int(interval(1, 64)))", od.IntDistribution(1, 64, log=True)),
+        ("a=float(range(1, 4))", od.CategoricalDistribution([1.0, 2.0, 3.0])),
     ],
 )
 def test_every_search_space_form(text: str, expected: od.BaseDistribution) -> None:
@@ -46,6 +79,22 @@ def test_fixed_values_pass_through() -> None:
     assert parsed.fixed == ("model.emb_dim=64",) and set(parsed.distributions) == {"b"}
 
 
+def test_a_fixed_command_line_value_wins_over_a_shipped_search(tmp_path: Path) -> None:
+    """`+sweeps=lr_wd schedule.base_learning_rate=0.01`: the rate is fixed, not searched."""
+    cfg = composed(["+sweeps=lr_wd"], hydra=True).hydra.sweeper
+    shipped = study.SweepSettings(**{**sweeper_settings(cfg), "sampler": "random", "n_trials": 1})
+    assert "schedule.base_learning_rate" in shipped.params
+    ran: list[list[str]] = []
+    s = study.run(shipped, lambda o, n: ran.append(o) or {"loss": 1.0}, tmp_path,
+                  ["schedule.base_learning_rate=0.01"])
+    assert [set(t.params) for t in s.trials] == [{"optimizer.weight_decay"}]
+    for overrides in ran:
+        rates = [o for o in overrides if o.startswith("schedule.base_learning_rate=")]
+        assert rates == ["schedule.base_learning_rate=0.01"], overrides
+    # and the other way round: a search on the command line replaces a fixed value
+    assert set(space.parse(["a=1", "a=interval(0, 1)"]).distributions) == {"a"}
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -53,6 +102,9 @@ def test_fixed_values_pass_through() -> None:
         ("a=tag(log, interval(0, 1))", "positive lower bound"),
         ("a=tag(log, choice(1, 2))", "not choice"),
         ("a=interval(1,", "search space entry"),
+        ("a=tag(log, range(1, 65, 2))", "needs integer bounds and step 1"),
+        ("a=tag(log, range(0, 8))", "start >= 1"),
+        ("a=tag(int, interval(1.5, 8))", "needs whole bounds"),
     ],
 )
 def test_bad_search_spaces_are_errors(text: str, message: str) -> None:
@@ -111,6 +163,7 @@ def test_rerunning_continues_the_study_to_n_trials_total(tmp_path: Path) -> None
     assert results["trials"]["complete"] == 5 and "best_params" in results
     best = (tmp_path / "best" / "experiment" / "s_best.yaml").read_text()
     assert best.startswith("# @package _global_") and "x:" in best
+    assert results["best_command"].endswith("experiment=s_best")
     assert results["plots"]["intermediate_values"].startswith("not drawn: no trial reported")
     for name in ("optimization_history", "param_importances"):
         png = Path(results["plots"][name])
@@ -123,14 +176,10 @@ def test_plots_are_explained_when_there_is_too_little_to_draw(tmp_path: Path) ->
     assert plots["optimization_history"] == "not drawn: fewer than 2 complete trials"
 
 
-@pytest.mark.parametrize(
-    "sweep_file", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.stem
-)
+@pytest.mark.parametrize("sweep_file", SWEEP_FILES, ids=lambda p: p.stem)
 def test_every_shipped_sweep_composes_to_keys_that_exist(sweep_file: Path) -> None:
     """A sweep's keys must name real config keys: a typo would only show after a trial ran."""
-    command = sweep_file.read_text().splitlines()[1]  # "# capibara-exp -m ARGS": its own command
-    assert command.startswith("# capibara-exp -m "), command
-    args = command.split()[3:]
+    args = shipped_command(sweep_file)
     out = subprocess.run(
         [sys.executable, "-m", "capibara_exp.cli", *args, "--cfg", "all"],
         cwd=ROOT,
@@ -145,10 +194,70 @@ def test_every_shipped_sweep_composes_to_keys_that_exist(sweep_file: Path) -> No
     parsed = space.parse([f"{k}={v}" for k, v in sweeper["params"].items()])
     assert parsed.distributions and not parsed.fixed
     for key in parsed.distributions:
+        if key in cfg["hydra"]["runtime"]["choices"]:
+            continue  # a config group (schedule=choice(...)): the key names no value
         node = cfg
         for part in key.split("."):
             assert isinstance(node, dict) and part in node, f"{sweep_file.name}: {key} is not a key"
             node = node[part]
+
+
+def without_hydra(cfg: DictConfig) -> dict:
+    return {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
+
+
+@pytest.mark.parametrize("sweep_file", SWEEP_FILES, ids=lambda p: p.stem)
+def test_the_best_trial_file_of_every_shipped_sweep_composes_to_that_trial(
+        sweep_file: Path, tmp_path: Path) -> None:
+    """The end of a sweep, without training: a finished trial sampled from the shipped space
+    with the sweep's own command plus a fixed value and a late group (debug, merged after
+    the experiment) -> write_results -> the best file composes to the trial's config."""
+    args = [*shipped_command(sweep_file), "debug=fast", "trainer.train_steps=7", "random_seed=3"]
+    cfg = composed(args, hydra=True)
+    settings = study.SweepSettings(**sweeper_settings(cfg.hydra.sweeper))
+    groups = list(cfg.hydra.runtime.choices)
+    sweep_space = study.search_space(settings, args)
+    s = optuna.create_study(study_name=settings.study_name,
+                            sampler=optuna.samplers.RandomSampler(seed=1))
+    for state in (TrialState.FAIL, TrialState.COMPLETE, TrialState.FAIL):  # trial 1 is best
+        s.tell(s.ask(sweep_space.distributions), 1.0 if state == TrialState.COMPLETE else None,
+               state=state)
+    best = s.trials[1]
+    results = study.write_results(s, settings, tmp_path, sweep_space.fixed, groups)
+    assert results["best_trial"] == 1, results
+
+    name = f"{settings.study_name}_best"
+    best_cfg = composed([f"experiment={name}"], hydra=True, config_dir=tmp_path / "best")
+    trial_cfg = composed(study.job_overrides(sweep_space, best.params), hydra=True)
+    assert without_hydra(best_cfg) == without_hydra(trial_cfg)
+    for key, value in best.params.items():  # the sampled values, not the defaults
+        if key in groups:
+            assert best_cfg.hydra.runtime.choices[key] == value, key
+        else:
+            assert OmegaConf.select(best_cfg, key) == value, key
+    assert (best_cfg.trainer.train_steps, best_cfg.random_seed) == (7, 3)
+    assert best_cfg.trainer.eval_period == 2  # debug=fast's, merged after the experiment
+    if "experiment=moe_e2b_tiny" in args:
+        assert best_cfg.name == "moe_e2b_tiny" and best_cfg.data.batch_size == 16
+
+
+def test_the_best_trial_command_runs_from_the_command_line(tmp_path: Path) -> None:
+    """The command written in the file (`--config-dir DIR experiment=NAME`), through the CLI."""
+    fixed = ("experiment=moe_e2b_tiny", "debug=fast", "~model.router_bias")
+    params = {"schedule": "warmup_cosine", "schedule.warmup_steps": 25,
+              "model.capacity_factor": 1.5}
+    groups = list(composed(list(fixed[:2]), hydra=True).hydra.runtime.choices)
+    path, command = study.best_lib.write(tmp_path, "moe", 4, 0.5, fixed, params, groups)
+    assert command.endswith("experiment=moe_best '~model.router_bias'")
+    assert "- /experiment/moe_e2b_tiny" in path.read_text()
+    out = subprocess.run([sys.executable, "-m", "capibara_exp.cli", "--config-dir",
+                          str(tmp_path / "best"), "experiment=moe_best", "--cfg", "job"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["schedule"]["lr_factors"].endswith("cosine_decay")  # the group's option
+    assert cfg["schedule"]["warmup_steps"] == 25 and cfg["model"]["capacity_factor"] == 1.5
+    assert cfg["name"] == "moe_e2b_tiny" and cfg["trainer"]["train_steps"] == 4  # debug=fast
 
 
 def test_a_trial_of_a_killed_sweep_is_marked_failed_and_the_sweep_goes_on(tmp_path: Path) -> None:
@@ -188,18 +297,113 @@ def test_failing_trials_are_recorded_and_the_failure_rate_stops_the_sweep(tmp_pa
         )
 
 
-def test_multi_objective_results_are_the_pareto_front(tmp_path: Path) -> None:
+def test_a_first_failing_trial_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """One failure of one finished trial is no rate: it applies from min(n_trials, 5) on."""
+
+    def first_fails(overrides, number):
+        if number == 0:
+            raise RuntimeError("job 0 broke")
+        return quadratic(overrides, number)
+
+    s = study.run(settings(n_trials=6, max_failure_rate=0.5), first_fails, tmp_path)
+    assert [t.state.name for t in s.trials] == ["FAIL"] + ["COMPLETE"] * 5
+
+
+def test_multi_objective_results_are_the_pareto_front(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def two(overrides, number):
         x = float(dict(o.split("=") for o in overrides)["x"])
         return {"loss": x, "cost": 1 - x}
 
     study.run(
-        settings(n_trials=4, direction=["minimize", "minimize"], metric=["loss", "cost"]),
+        settings(n_trials=4, direction=["minimize", "minimize"], metric=["loss", "cost"],
+                 pruner="median"),
         two,
         tmp_path,
     )
     front = yaml.safe_load((tmp_path / study.RESULTS).read_text())["pareto_front"]
     assert len(front) == 4  # every point of x -> (x, 1 - x) is Pareto-optimal
+    assert "hydra.sweeper.pruner=median is off" in caplog.text  # said, not silently dropped
+
+
+def test_a_dead_machines_trial_is_failed_once_its_heartbeat_is_stale(tmp_path: Path) -> None:
+    """A trial RUNNING on another host (whose pid means nothing here) is failed by the
+    heartbeat; the trial running here keeps its own heartbeat fresh through a long job."""
+    cfg = settings(n_trials=3, heartbeat_interval=1, grace_period=2)
+    url = study.storage_url(None, tmp_path)
+    x = space.parse(["x=interval(0, 1)"])
+    s = study.open_study(cfg, url, x)
+    dead = study._ask(s, x)
+    dead.set_user_attr("host", "another-machine")
+    dead.set_user_attr("pid", os.getpid())  # alive here: only the heartbeat can tell
+    s._storage.record_heartbeat(dead._trial_id)  # its machine's last heartbeat
+    failed_during_job: list[int] = []
+
+    def job(overrides, number):
+        if number == 1:  # outlive the grace period, then look as another worker would
+            time.sleep(3.2)
+            failed_during_job.extend(study.fail_stale(study.open_study(cfg, url, x)))
+        return quadratic(overrides, number)
+
+    s = study.run(cfg, job, tmp_path)
+    assert failed_during_job == [0]  # the dead machine's trial, not this one's
+    assert [t.state for t in s.trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
+    assert s.trials[0].user_attrs[study.ERROR] == study.STALE
+
+
+def test_heartbeats_are_on_where_other_machines_may_run_trials() -> None:
+    assert study.heartbeat_interval(settings(), "postgresql://u@h/optuna") == study.HEARTBEAT_S
+    assert study.heartbeat_interval(settings(), "sqlite:///x.db") is None  # the pid check
+    assert study.heartbeat_interval(settings(), "/runs/study.journal") is None
+    assert study.heartbeat_interval(settings(heartbeat_interval=0), "postgresql://h/o") is None
+    assert study.heartbeat_interval(settings(heartbeat_interval=5), "sqlite:///x.db") == 5
+    with pytest.raises(ConfigError, match="journal storage .* keeps no heartbeats"):
+        study.heartbeat_interval(settings(heartbeat_interval=5), "/runs/study.journal")
+
+
+# ----------------------------------------------------------------------------- pruners
+# Each trial's job reports a loss curve through the real OptunaPruning action, which loads
+# the trial from the storage as a training run does; only the training is replaced by a
+# closed-form curve: loss(step) = (x - 0.3)^2 + 1 / step.
+
+
+def curve_job(overrides: list[str], number: int) -> dict:
+    from types import SimpleNamespace
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from capibara_exp.sweeping.pruning import OptunaPruning
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    args = {o.get_key_element(): o.value() for o in parsed}
+    trial = OmegaConf.to_container(OmegaConf.create({"t": args["sweep_trial"]}), resolve=True)
+    action = OptunaPruning(**trial["t"])
+    for step in range(1, 9):
+        loss = (float(args["x"]) - 0.3) ** 2 + 1 / step
+        if action.run(SimpleNamespace(step=step), {"train_eval": {"loss": loss}}):
+            break  # pruned: training stops here, as the trainer's action loop does
+    return {"loss": loss}
+
+
+@pytest.mark.parametrize("pruner", ["median", "percentile", "successive_halving", "hyperband"])
+def test_every_pruner_stops_bad_trials_which_keep_their_last_value(
+        tmp_path: Path, pruner: str) -> None:
+    cfg = settings(n_trials=8, pruner=pruner, params={"x": "interval(0, 6)"},
+                   storage=str(tmp_path / "study.journal"))  # a file: quicker to open than SQLite
+    xs = [0.3, 0.35, 2.0, 0.32, 3.0, 4.0, 5.0, 6.0]  # two good trials first, then mostly bad
+    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"]))
+    for x in xs:
+        s.enqueue_trial({"x": x})
+    s = study.run(cfg, curve_job, tmp_path)
+    assert [t.params["x"] for t in s.trials] == xs
+    pruned = [t for t in s.trials if t.state == TrialState.PRUNED]
+    assert pruned, [(t.params["x"], t.state.name) for t in s.trials]
+    assert all(t.params["x"] >= 2.0 for t in pruned)  # only bad trials
+    for t in pruned:
+        last = max(t.intermediate_values)
+        assert last < 8 and t.user_attrs[study.PRUNED_AT] == last  # stopped early
+        assert t.value == t.intermediate_values[last]  # and keeps its last value
+    assert s.trials[0].state == s.trials[1].state == TrialState.COMPLETE
 
 
 # ----------------------------------------------------------------------------- real sweeps
@@ -267,6 +471,16 @@ def test_pruning_stops_bad_trials_early(tmp_path: Path, data_dir: Path) -> None:
     results = yaml.safe_load((tmp_path / "sweep" / study.RESULTS).read_text())
     assert results["best_trial"] in (0, 1)
     assert results["trials"] == {"complete": 2, "pruned": 1, "fail": 0}
+    # The best trial's command composes that trial: its rate, and the sweep's fixed overrides.
+    best_args = results["best_command"].split()[1:]
+    out = subprocess.run([sys.executable, "-m", "capibara_exp.cli", *best_args, "--cfg", "job"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["schedule"]["base_learning_rate"] == results["best_params"][
+        "schedule.base_learning_rate"]
+    assert cfg["trainer"]["train_steps"] == 6 and cfg["model"]["emb_dim"] == 32
+    assert cfg["data_dir"] == str(data_dir) and cfg["trainer"]["stats_period"] == 1  # debug=fast
     assert Path(results["plots"]["intermediate_values"]).suffix == ".png"  # the eval curves
     # The storage URL (it may hold a password) reaches the job through the environment.
     job_dir = tmp_path / "sweep" / "0" / ".hydra"
@@ -320,16 +534,40 @@ def test_grid_runs_every_point_once_then_stops(tmp_path: Path) -> None:
     assert sorted(seen) == ["x=1", "x=2", "x=3"] and len(s.trials) == 3
 
 
+# Options that let each sampler leave its random start-up within a few trials.
+MODEL_AFTER = {"tpe": {"n_startup_trials": 2}, "cmaes": {"n_startup_trials": 2},
+               "gp": {"n_startup_trials": 2}, "nsgaii": {"population_size": 2}, "random": {}}
+
+
 @pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "gp", "nsgaii"])
 def test_every_sampler_drives_a_study(tmp_path: Path, sampler: str) -> None:
-    """Each sampler runs a few real trials, or (gp without PyTorch) says what to install."""
+    """Each sampler runs real trials past its start-up into model-based sampling, or (gp
+    without PyTorch) says what to install."""
     import importlib.util
 
-    run = lambda: study.run(settings(n_trials=4, sampler=sampler), quadratic, tmp_path)  # noqa: E731
+    def job(overrides, number):
+        p = dict(o.split("=") for o in overrides)
+        return {"loss": (float(p["x"]) - 0.3) ** 2 + (float(p["y"]) - 0.6) ** 2}
+
+    cfg = settings(n_trials=5, sampler=sampler, sampler_options=MODEL_AFTER[sampler],
+                   params={"x": "interval(0, 1)", "y": "interval(0, 1)"},
+                   storage=str(tmp_path / "study.journal"))
+    run = lambda: study.run(cfg, job, tmp_path)  # noqa: E731
     if sampler == "gp" and importlib.util.find_spec("torch") is None:
         with pytest.raises(ConfigError, match=r"sampler=gp needs torch.*capibara-exp\[gp\]"):
             run()
         return
     s = run()
-    assert [t.state for t in s.trials] == [TrialState.COMPLETE] * 4
-    assert len({t.params["x"] for t in s.trials}) == 4
+    assert [t.state for t in s.trials] == [TrialState.COMPLETE] * 5
+    if sampler == "nsgaii":  # a genetic sampler: children of generation 0 (crossover may
+        # copy a parent's value, so values can repeat)
+        assert max(t.system_attrs.get("NSGAIISampler:generation", 0) for t in s.trials) >= 1
+        return
+    assert len({t.params["x"] for t in s.trials}) == 5
+    if sampler != "random":  # its model proposes the next trial's values together
+        assert set(study._ask(s, study.search_space(cfg, ())).relative_params) == {"x", "y"}
+
+
+def test_sampler_options_are_checked_by_the_sampler(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"sampler_options \{'n_startup': 2\} for sampler=tpe"):
+        study.run(settings(sampler="tpe", sampler_options={"n_startup": 2}), quadratic, tmp_path)

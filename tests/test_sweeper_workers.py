@@ -36,7 +36,7 @@ def work(url: str, index: int, log: str) -> None:
     settings = study.SweepSettings(study_name="shared", storage=url, sampler="tpe", seed=0,
                                    n_trials=N_TRIALS, worker_index=index,
                                    params={"x": "interval(0, 1)"})
-    study.run(settings, job, Path(log).parent)
+    study.run(settings, job, Path(log).parent, write=index == 0)  # as the sweeper's workers
 
 
 def run_workers(url: str, tmp_path: Path, n: int = 2) -> list[tuple[str, int]]:
@@ -129,15 +129,28 @@ def test_worker_commands_carry_their_own_settings(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- PostgreSQL
 
 
+def _pg_servers() -> list[Path]:
+    return sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+
+
 def _pg_bin() -> Path:
-    """Debian's PostgreSQL server binaries, installed with apt-get when missing."""
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
-    if not found and shutil.which("apt-get") and os.geteuid() == 0:
-        subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], check=False,
-                       capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
-    assert found, ("PostgreSQL's server is not installed and `apt-get install postgresql` did not "
-                   "install it: this test needs a real server (Debian package postgresql)")
+    """Debian's PostgreSQL server binaries, installed with apt-get when missing (as root, or
+    through `sudo -n`, which fails at once rather than ask for a password)."""
+    if not _pg_servers():
+        assert shutil.which("apt-get"), (
+            "PostgreSQL's server is not installed and there is no apt-get to install it: this "
+            "test needs a real server (Debian package postgresql)")
+        as_root = [] if os.geteuid() == 0 else ["sudo", "-n"]
+        for cmd in (["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"]):
+            full = [*as_root, "env", "DEBIAN_FRONTEND=noninteractive", *cmd]
+            out = subprocess.run(full, capture_output=True, text=True, timeout=900)
+            assert out.returncode == 0, (
+                f"installing PostgreSQL's server for this test: `{' '.join(full)}` exited "
+                f"{out.returncode}:\n{out.stderr[-3000:]}")
+    found = _pg_servers()
+    assert found, ("`apt-get install postgresql` succeeded but no server binary is under "
+                   "/usr/lib/postgresql/*/bin: this test needs a real server")
     return found[-1].parent
 
 
@@ -155,7 +168,8 @@ def _run(cmd: list[str]) -> None:
 @pytest.fixture()
 def postgres_url():
     """A PostgreSQL server on a loopback port for this test, stopped afterwards."""
-    pytest.importorskip("psycopg2", reason="psycopg2-binary is in the test extra: install .[test]")
+    import psycopg2  # noqa: F401  - the driver optuna's URL names (psycopg2-binary, extra test)
+
     bin_dir, port = _pg_bin(), _free_port()
     # Not under pytest's tmp dir: that is private to root, and the server refuses to run as
     # root, so where we are root it runs as the postgres user in a directory it owns.

@@ -1,10 +1,12 @@
 """Search spaces in Hydra's sweep syntax -> Optuna distributions.
 
-`choice(a, b)` and `a,b` -> categorical; `range(start, stop[, step])` -> integers (Python
-range: stop excluded) or, for floats, the categorical of the values it lists;
-`interval(low, high)` -> float; `tag(log, interval(...))` -> log-uniform float;
-`tag(int, interval(...))` -> integer (Hydra reads interval bounds as floats); anything
-else is a fixed override passed to every trial.
+`choice(a, b)` and `a,b` -> categorical; `range(start, stop[, step])` -> integers (Hydra's
+range, like Python's, excludes stop) or, for floats, the categorical of the values it lists;
+`interval(low, high)` -> float (Hydra reads interval bounds as floats);
+`int(interval(low, high))` or `tag(int, interval(...))` -> integer; `tag(log, ...)` of an
+interval or an integer range -> log-scaled. Anything else is a fixed override passed to
+every trial. When a key appears twice (a shipped sweep's params, then the command line),
+the later entry wins, so a fixed value on the command line drops that key's search.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def _range_values(sweep: RangeSweep) -> list:
     return values
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def distribution(key: str, sweep: object) -> od.BaseDistribution:
     """The Optuna distribution of one parsed sweep value."""
     if isinstance(sweep, ChoiceSweep):
@@ -59,42 +65,57 @@ def distribution(key: str, sweep: object) -> od.BaseDistribution:
         values = _range_values(sweep)
         if not values:
             raise ConfigError(f"{key}: {sweep} lists no values")
-        all_int = all(isinstance(v, int) for v in (sweep.start, sweep.stop, sweep.step))
-        if all_int and sweep.step > 0:
-            return od.IntDistribution(values[0], values[-1], log="log" in sweep.tags,
-                                      step=1 if "log" in sweep.tags else sweep.step)
+        all_int = all(_is_int(v) for v in (sweep.start, sweep.stop, sweep.step))
         if "log" in sweep.tags:
-            raise ConfigError(f"{key}: tag(log, range(...)) needs integer bounds and step")
+            if not all_int or sweep.step != 1:
+                # Optuna's log-scaled integers have step 1; dropping another step would
+                # sample values the range does not list.
+                raise ConfigError(f"{key}: tag(log, range(...)) needs integer bounds and step 1 "
+                                  f"(got {sweep}); use tag(log, range(start, stop)) or "
+                                  "choice(...) of the values")
+            if values[0] < 1:
+                raise ConfigError(f"{key}: tag(log, range(...)) needs a start >= 1 (got {sweep})")
+            return od.IntDistribution(values[0], values[-1], log=True)
+        if all_int and sweep.step > 0:
+            return od.IntDistribution(values[0], values[-1], step=sweep.step)
         return od.CategoricalDistribution(values)
     if isinstance(sweep, IntervalSweep):
-        low, high = sweep.start, sweep.end
+        low, high, log = sweep.start, sweep.end, "log" in sweep.tags
         if not low < high:
             raise ConfigError(f"{key}: interval({low}, {high}) is empty")
-        if "int" in sweep.tags:
-            return od.IntDistribution(int(low), int(high), log="log" in sweep.tags)
-        if "log" in sweep.tags and low <= 0:
+        if log and low <= 0:
             raise ConfigError(f"{key}: tag(log, interval({low}, {high})) needs a positive "
                               "lower bound")
-        return od.FloatDistribution(float(low), float(high), log="log" in sweep.tags)
+        # int(interval(...)) gives int bounds (Hydra's cast); tag(int, ...) gives whole floats.
+        if "int" in sweep.tags or (_is_int(low) and _is_int(high)):
+            if not (float(low).is_integer() and float(high).is_integer()):
+                raise ConfigError(f"{key}: an integer interval needs whole bounds, got "
+                                  f"interval({low}, {high})")
+            return od.IntDistribution(int(low), int(high), log=log)
+        return od.FloatDistribution(float(low), float(high), log=log)
     raise ConfigError(f"{key}: unsupported sweep {sweep!r}")
 
 
 def parse(overrides: Iterable[str]) -> SearchSpace:
-    """Split `key=value` strings into distributions (sweeps) and fixed overrides."""
+    """Split `key=value` strings into distributions (sweeps) and fixed overrides; for a key
+    given more than once, the last entry wins (the command line over a sweep's params)."""
     parser = OverridesParser.create()
-    distributions: dict[str, od.BaseDistribution] = {}
-    fixed: list[str] = []
+    entries: dict[str, tuple[str, od.BaseDistribution | str]] = {}
     for text in overrides:
         try:
             (override,) = parser.parse_overrides([text])
         except Exception as err:  # hydra's parser raises OverrideParseException and friends
             raise ConfigError(f"search space entry '{text}': {err}") from err
         key = override.get_key_element()
+        name = key.lstrip("+~")
+        entries.pop(name, None)  # a later entry moves to the end: Hydra applies it last
         if override.is_sweep_override():
-            distributions[key] = distribution(key, override.value())
+            entries[name] = (key, distribution(key, override.value()))
         else:
-            fixed.append(f"{key}={override.get_value_element_as_str()}")
-    return SearchSpace(distributions, tuple(fixed))
+            entries[name] = (key, text.strip())
+    distributions = {k: v for k, v in entries.values() if not isinstance(v, str)}
+    fixed = tuple(v for _, v in entries.values() if isinstance(v, str))
+    return SearchSpace(distributions, fixed)
 
 
 def to_override(key: str, value: object) -> str:

@@ -3,19 +3,24 @@
 Every worker (this process, the `n_workers - 1` it starts, and any other process pointed at
 the same storage) pulls trials until the study holds `n_trials` finished or running ones,
 so re-running the same command continues a study, and trials are never rerun. A trial left
-RUNNING by a process of this host that no longer exists is marked FAIL before new trials
-start.
+RUNNING by a process of this host that no longer exists, or (on a storage with heartbeats:
+PostgreSQL, MySQL) by any machine that stopped sending its heartbeat, is marked FAIL before
+new trials start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
+import logging
 import math
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,11 +31,17 @@ import yaml
 from optuna.trial import TrialState
 
 from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import space as space_lib
+
+log = logging.getLogger(__name__)
 
 PRUNED_AT = "pruned_at_step"
 ERROR = "error"
 ORPHANED = "its process died"
+STALE = "no heartbeat within the grace period: its machine or process died"
+HEARTBEAT_S = 60  # heartbeat interval on RDB storages other than SQLite, unless configured
+MIN_FINISHED = 5  # finished trials before max_failure_rate applies (fewer if n_trials is less)
 NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last trial
 RESULTS = "optimization_results.yaml"
 CACHE_KEY = "compilation_cache_dir"
@@ -58,6 +69,9 @@ class SweepSettings:
     compile_cache: bool = True  # trials share XLA's compilation cache in the sweep dir
     worker_index: int = 0  # set on the processes a sweep starts; 0 is the one you started
     params: dict[str, str] = field(default_factory=dict)
+    sampler_options: dict[str, Any] = field(default_factory=dict)  # the sampler's keywords
+    heartbeat_interval: int | None = None  # None: HEARTBEAT_S on non-SQLite RDB; 0: off
+    grace_period: int | None = None  # None: twice the heartbeat interval
 
     @property
     def directions(self) -> list[str]:
@@ -78,6 +92,12 @@ class SweepSettings:
         if not 0.0 <= self.max_failure_rate <= 1.0:
             raise ConfigError("hydra.sweeper.max_failure_rate must be in [0, 1], "
                               f"got {self.max_failure_rate}")
+        if self.heartbeat_interval is not None and self.heartbeat_interval < 0:
+            raise ConfigError("hydra.sweeper.heartbeat_interval must be >= 0 (0: off) or null, "
+                              f"got {self.heartbeat_interval}")
+        if self.grace_period is not None and self.grace_period < 1:
+            raise ConfigError("hydra.sweeper.grace_period must be >= 1 or null, "
+                              f"got {self.grace_period}")
 
 
 class _AskTellGridSampler(optuna.samplers.GridSampler):
@@ -96,14 +116,18 @@ def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
 
 
 def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
-                 multi_objective: bool) -> optuna.samplers.BaseSampler:
+                 multi_objective: bool, options: dict[str, Any] | None = None
+                 ) -> optuna.samplers.BaseSampler:
+    """The named sampler; `options` are more keyword arguments of its Optuna class
+    (hydra.sweeper.sampler_options, e.g. {n_startup_trials: 5})."""
+    kw = {"seed": seed, **(options or {})}
     samplers: dict[str, Callable[[], optuna.samplers.BaseSampler]] = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-        "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
-        "gp": lambda: optuna.samplers.GPSampler(seed=seed),
-        "grid": lambda: _AskTellGridSampler(space.grid(), seed=seed),
-        "nsgaii": lambda: optuna.samplers.NSGAIISampler(seed=seed),
+        "tpe": lambda: optuna.samplers.TPESampler(**{"multivariate": True, **kw}),
+        "random": lambda: optuna.samplers.RandomSampler(**kw),
+        "cmaes": lambda: optuna.samplers.CmaEsSampler(**kw),
+        "gp": lambda: optuna.samplers.GPSampler(**kw),
+        "grid": lambda: _AskTellGridSampler(space.grid(), **kw),
+        "nsgaii": lambda: optuna.samplers.NSGAIISampler(**kw),
     }
     if name not in samplers:
         raise ConfigError(f"hydra.sweeper.sampler: '{name}' is not one of {sorted(samplers)}")
@@ -114,7 +138,11 @@ def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
     if needs and importlib.util.find_spec(needs[0]) is None:
         raise ConfigError(f"hydra.sweeper.sampler={name} needs {needs[0]}, which is not "
                           f"installed: {needs[1]}")
-    return samplers[name]()
+    try:
+        return samplers[name]()
+    except (TypeError, ValueError) as err:  # an unknown or bad keyword of the sampler
+        raise ConfigError(f"hydra.sweeper.sampler_options {options} for sampler={name}: "
+                          f"{err}") from err
 
 
 def make_pruner(name: str) -> optuna.pruners.BasePruner:
@@ -138,15 +166,37 @@ def storage_url(storage: str | None, sweep_dir: Path) -> str:
     return f"sqlite:///{(sweep_dir / 'optuna.db').absolute()}"
 
 
-def make_storage(url: str) -> optuna.storages.BaseStorage:
+def _is_journal(url: str) -> bool:
+    return url.endswith((".log", ".journal")) and "://" not in url
+
+
+def heartbeat_interval(settings: SweepSettings, url: str) -> int | None:
+    """Seconds between a running trial's heartbeats in the storage; None: no heartbeat.
+
+    On by default where workers may run on other machines (an RDB storage other than
+    SQLite): a trial whose machine died is then failed once its heartbeat is older than the
+    grace period. On this host, the pid check (fail_orphans) finds dead processes at once."""
+    if settings.heartbeat_interval is not None:
+        if settings.heartbeat_interval and _is_journal(url):
+            raise ConfigError(f"hydra.sweeper.heartbeat_interval: the journal storage {url} "
+                              "keeps no heartbeats; use an RDB storage (PostgreSQL) or 0")
+        return settings.heartbeat_interval or None
+    if _is_journal(url) or url.startswith("sqlite"):
+        return None
+    return HEARTBEAT_S
+
+
+def make_storage(url: str, heartbeat_s: int | None = None,
+                 grace_period_s: int | None = None) -> optuna.storages.BaseStorage:
     """An Optuna storage for a SQLAlchemy URL or a journal file path (*.log, *.journal)."""
-    if url.endswith((".log", ".journal")) and "://" not in url:
+    if _is_journal(url):
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
     # Local workers write one SQLite file at once: wait for its lock instead of failing.
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    heartbeat = {"heartbeat_interval": heartbeat_s, "grace_period": grace_period_s}
     for attempt in range(5):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **heartbeat)
         except sqlalchemy.exc.SQLAlchemyError:
             # Workers starting together on a new database race to create its tables; the
             # loser finds them made on a second look.
@@ -158,13 +208,13 @@ def make_storage(url: str) -> optuna.storages.BaseStorage:
 
 def open_study(settings: SweepSettings, url: str, space: space_lib.SearchSpace) -> optuna.Study:
     multi = len(settings.directions) > 1
-    storage = make_storage(url)
+    storage = make_storage(url, heartbeat_interval(settings, url), settings.grace_period)
     # Workers with one seed would sample the same points: each gets its own.
     seed = None if settings.seed is None else settings.seed + settings.worker_index
     return optuna.create_study(
         study_name=settings.study_name, storage=storage, load_if_exists=True,
         directions=settings.directions,
-        sampler=make_sampler(settings.sampler, seed, space, multi),
+        sampler=make_sampler(settings.sampler, seed, space, multi, settings.sampler_options),
         pruner=make_pruner(settings.pruner))
 
 
@@ -178,6 +228,50 @@ def fail_orphans(study: optuna.Study) -> list[int]:
             study.tell(trial.number, state=TrialState.FAIL)
             failed.append(trial.number)
     return failed
+
+
+def fail_stale(study: optuna.Study) -> list[int]:
+    """Mark FAIL the RUNNING trials whose heartbeat is older than the grace period (a dead
+    machine's, or a dead process's anywhere); nothing on a storage without heartbeats."""
+    storage = study._storage
+    if not getattr(storage, "get_heartbeat_interval", lambda: None)():
+        return []
+    failed = []
+    # Optuna's fail_stale_trials does this too, but fails first: then the reason can no
+    # longer be recorded on the trial (the storage refuses to change a finished trial).
+    for trial_id in storage._get_stale_trial_ids(study._study_id):
+        try:
+            storage.set_trial_user_attr(trial_id, ERROR, STALE)
+            if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                failed.append(storage.get_trial(trial_id).number)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker failed it first
+    return failed
+
+
+@contextlib.contextmanager
+def heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
+    """Record the trial's heartbeat in the storage every interval while the block runs."""
+    storage = study._storage
+    interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
+    if not interval:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            storage.record_heartbeat(trial._trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _alive(pid: int) -> bool:
@@ -206,46 +300,65 @@ Launch = Callable[[list[str], int], Any]  # (overrides, trial number) -> the job
 
 
 def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Sequence[str] = (),
-        on_open: Callable[[], Any] | None = None) -> optuna.Study:
+        on_open: Callable[[], Any] | None = None, groups: Sequence[str] = (),
+        write: bool = True) -> optuna.Study:
     """Run trials until the study has n_trials; return the study.
 
-    `on_open` runs once the study exists in its storage (the sweeper starts its workers
-    there, so they find the study made)."""
-    space = space_lib.parse([*(f"{k}={v}" for k, v in settings.params.items()), *arguments])
+    `arguments` are the sweep's task overrides (they win over `settings.params`); `groups`
+    the composed config's groups, for the best-trial file (see best.write). `on_open` runs
+    once the study exists in its storage (the sweeper starts its workers there, so they
+    find the study made). `write`: write the results at the end (write_results)."""
+    space = search_space(settings, arguments)
     if not space.distributions:
         raise ConfigError("hydra.sweeper.params and the command line define no search dimension "
                           "(use choice(...), range(...), interval(...))")
     url = storage_url(settings.storage, sweep_dir)
     study = open_study(settings, url, space)
     fail_orphans(study)
+    fail_stale(study)
     if on_open:
         on_open()
     pruning = settings.pruner != "none" and len(settings.directions) == 1
+    if settings.pruner != "none" and not pruning:
+        log.warning("hydra.sweeper.pruner=%s is off: Optuna prunes single-objective studies "
+                    "only, and this one has %d directions", settings.pruner,
+                    len(settings.directions))
     while len(counted(study)) < settings.n_trials:
         if settings.sampler == "grid" and grid_done(study, space):
             break  # every point once, never twice
+        fail_stale(study)  # a machine that died while this one ran its last trial
         trial = _ask(study, space)
         if _lost_race(study, trial, settings.n_trials):
             break
         trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("pid", os.getpid())
-        overrides = [*space.fixed,
-                     *(space_lib.to_override(k, v) for k, v in trial.params.items())]
+        overrides = job_overrides(space, trial.params)
         if pruning:
             overrides.append(trial_override(url, settings, trial.number))
         if settings.compile_cache and not any(
                 f.startswith(CACHE_KEY + "=") for f in space.fixed):
             cache = str(sweep_dir.absolute() / "xla_cache")
             overrides.append(space_lib.to_override(CACHE_KEY, cache))
-        _run_trial(study, trial, launch, overrides, settings.metrics)
-        _check_failure_rate(study, settings.max_failure_rate)
-    write_results(study, settings, sweep_dir)
+        with heartbeat(study, trial):
+            _run_trial(study, trial, launch, overrides, settings.metrics)
+        _check_failure_rate(study, settings.max_failure_rate,
+                            min(settings.n_trials, MIN_FINISHED))
+    if write:
+        write_results(study, settings, sweep_dir, space.fixed, groups)
     return study
 
 
+def job_overrides(space: space_lib.SearchSpace, params: dict[str, Any]) -> list[str]:
+    """A trial's Hydra overrides: the sweep's fixed ones, then the trial's sampled values."""
+    return [*space.fixed, *(space_lib.to_override(k, v) for k, v in params.items())]
+
+
 def counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The study's trials, less those asked by a worker that lost the race for the last one."""
-    return [t for t in study.get_trials(deepcopy=False) if NOT_RUN not in t.user_attrs]
+    """The study's started trials, less those asked by a worker that lost the race for the
+    last one. Enqueued (WAITING) trials count once a worker asks for them: ask() runs them
+    first."""
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state != TrialState.WAITING and NOT_RUN not in t.user_attrs]
 
 
 def _lost_race(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
@@ -265,7 +378,12 @@ def _lost_race(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
 def _ask(study: optuna.Study, space: space_lib.SearchSpace) -> optuna.Trial:
     """study.ask, or a clear error when the space conflicts with the study's earlier trials."""
     try:
-        return study.ask(space.distributions)
+        with warnings.catch_warnings():
+            # Optuna warns that heartbeats are only recorded inside Study.optimize; this loop
+            # records them itself (heartbeat()), so the warning does not apply here.
+            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be "
+                                    "used with Study.optimize", category=UserWarning)
+            return study.ask(space.distributions)
     except ValueError as err:
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if "pid" not in trial.user_attrs and not trial.params:  # the half-made trial
@@ -307,12 +425,14 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrid
         study.tell(trial, values)
 
 
-def _check_failure_rate(study: optuna.Study, max_rate: float) -> None:
+def _check_failure_rate(study: optuna.Study, max_rate: float, min_finished: int) -> None:
+    """Stop the sweep when more than max_rate of its finished trials failed, judged once
+    min_finished trials have finished (one early failure is no rate)."""
     # A trial whose sweep was killed under it did not fail on its own: it does not count.
     finished = [t for t in counted(study)
-                if t.state in FINISHED and t.user_attrs.get(ERROR) != ORPHANED]
+                if t.state in FINISHED and t.user_attrs.get(ERROR) not in (ORPHANED, STALE)]
     failed = [t for t in finished if t.state == TrialState.FAIL]
-    if finished and failed and len(failed) / len(finished) > max_rate:
+    if len(finished) >= min_finished and failed and len(failed) / len(finished) > max_rate:
         last = failed[-1]
         raise ConfigError(
             f"{len(failed)} of {len(finished)} finished trials failed, more than "
@@ -320,8 +440,15 @@ def _check_failure_rate(study: optuna.Study, max_rate: float) -> None:
             f"{last.user_attrs.get(ERROR, 'unknown error')}")
 
 
-def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path) -> dict:
-    """optimization_results.yaml and the best trial's overrides as an experiment file."""
+def search_space(settings: SweepSettings, arguments: Sequence[str]) -> space_lib.SearchSpace:
+    """hydra.sweeper.params, then the sweep's task overrides (which win for a shared key)."""
+    return space_lib.parse([*(f"{k}={v}" for k, v in settings.params.items()), *arguments])
+
+
+def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
+                  fixed: Sequence[str] = (), groups: Sequence[str] = ()) -> dict:
+    """optimization_results.yaml and the best trial as an experiment file (best.write: the
+    fixed overrides `fixed` and the config groups `groups` go into it)."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     trials = counted(study)
     counts = {s.name.lower(): sum(t.state == s for t in trials)
@@ -333,7 +460,13 @@ def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path)
         best = study.best_trial
         results.update(best_params=dict(best.params), best_value=best.value,
                        best_trial=best.number)
-        write_best_experiment(sweep_dir, settings.study_name, best)
+        try:
+            path, command = best_lib.write(sweep_dir, settings.study_name, best.number,
+                                           best.value, fixed, best.params, groups)
+            results.update(best_experiment=str(path), best_command=command)
+        except ConfigError as err:  # the results themselves must still be written
+            log.warning("best trial's experiment file not written: %s", err)
+            results["best_experiment"] = f"not written: {err}"
     elif complete:
         results["pareto_front"] = [{"trial": t.number, "params": dict(t.params),
                                     "values": list(t.values)} for t in study.best_trials]
@@ -343,23 +476,3 @@ def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path)
     results["plots"] = write_plots(study, sweep_dir)
     (sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
     return results
-
-
-def write_best_experiment(sweep_dir: Path, study_name: str, best: optuna.trial.FrozenTrial) -> Path:
-    """`<sweep_dir>/best/experiment/<study>_best.yaml`: the best params over the sweep's config."""
-    name = f"{study_name}_best"
-    path = sweep_dir / "best" / "experiment" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nested: dict[str, Any] = {}
-    for key, value in best.params.items():
-        node = nested
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    header = (f"# @package _global_\n"
-              f"# capibara-exp --config-dir {sweep_dir.absolute() / 'best'} experiment={name}\n"
-              f"# Best trial {best.number} of study {study_name}: value {best.value}.\n"
-              "# Apply it together with the overrides the sweep itself ran with.\n")
-    path.write_text(header + yaml.safe_dump(nested, sort_keys=False))
-    return path

@@ -50,12 +50,19 @@ class CapibaraOptunaSweeper(Sweeper):
         def start_workers() -> None:
             procs.extend(workers.start(sys.argv[1:], settings.n_workers, sweep_dir))
 
+        # The composed config's groups: the best trial's experiment file sets them through its
+        # defaults list, not as values.
+        groups = list(self.config.hydra.runtime.choices)
         try:
-            study = study_lib.run(settings, launch, sweep_dir, arguments, on_open=start_workers)
+            study = study_lib.run(settings, launch, sweep_dir, arguments, on_open=start_workers,
+                                  write=False)
         except BaseException:
             workers.stop(procs)
             raise
         workers.wait(procs, sweep_dir)
-        # The workers may have finished trials after this process's last look.
-        study_lib.write_results(study, settings, sweep_dir)
+        # Once, when the workers have finished their trials too; the workers this sweep
+        # started share its sweep dir and leave the results to it.
+        if settings.worker_index == 0:
+            fixed = study_lib.search_space(settings, arguments).fixed
+            study_lib.write_results(study, settings, sweep_dir, fixed, groups)
         return study
