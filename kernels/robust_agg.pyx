@@ -5,10 +5,11 @@ The inner loops of the Byzantine-robust merges. Columns are processed in blocks 
 BLOCK: each candidate's slice is copied into a [P, BLOCK] buffer (P = N rounded up to a
 power of two, NaN and padding as +inf, with a count of the real values per column), the
 buffer is sorted column-wise by Batcher's odd-even merge network (branch-free min/max
-over contiguous rows, which the compiler vectorises; np.median's per-column partition is
-20x slower here), and the median or trimmed mean is read off each column. Sums run in
-float64 in ascending order like the reference, so results match it bit for bit.
-Reference: robust_agg_ref.py.
+over contiguous rows, 8 lanes with AVX2 where the CPU has it, chosen at import; np.median's
+per-column partition is 20x slower here), and the median or trimmed mean is read off each
+column. Sums run in float64 in ascending order like the reference, so results match it
+bit for bit. Every kernel can write into its first input (out=), so a merge that owns its
+read buffers touches no fresh memory. Reference: robust_agg_ref.py.
 """
 
 import numpy as np
@@ -44,53 +45,111 @@ def batcher_pairs(Py_ssize_t p):
 
 cdef extern from *:
     """
-    /* Compare-exchange of two rows: a = min(a, b), b = max(a, b), 4 lanes at a time.
-       The rows hold no NaN (NaN is stored as +inf), so min/max are exact. */
-    #if defined(__x86_64__) || defined(__SSE__)
-    #include <xmmintrin.h>
-    static inline void ra_compare_exchange(float* a, float* b, Py_ssize_t n) {
+    #include <math.h>
+    /* Row kernels over n columns. Each exists twice on x86: built for the baseline ISA and
+       for AVX2 (8 lanes instead of 4), chosen once at import by the CPU's features
+       (ra_select_simd), so the extension needs no -march flag and runs on any x86-64.
+       No FMA is enabled: products and sums round exactly as in the NumPy reference. */
+    /* Compare-exchange of two rows: a = min(a, b), b = max(a, b). The rows hold no NaN
+       (NaN is stored as +inf), so min/max are exact. Branch-free: with a scalar select
+       GCC kept branches, and random data mispredicts half of them. */
+    #define RA_CX_TAIL for (; j < n; j++) { float u = a[j], v = b[j]; a[j] = u < v ? u : v;  \
+                                            b[j] = u < v ? v : u; }
+    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    #define RA_X86 1
+    #include <immintrin.h>
+    static void ra_cx_base(float* a, float* b, Py_ssize_t n) {
         Py_ssize_t j = 0;
         for (; j + 4 <= n; j += 4) {
             __m128 u = _mm_loadu_ps(a + j), v = _mm_loadu_ps(b + j);
             _mm_storeu_ps(a + j, _mm_min_ps(u, v));
             _mm_storeu_ps(b + j, _mm_max_ps(u, v));
         }
-        for (; j < n; j++) { float u = a[j], v = b[j]; a[j] = u < v ? u : v; b[j] = u < v ? v : u; }
+        RA_CX_TAIL
+    }
+    __attribute__((target("avx2"))) static void ra_cx_avx2(float* a, float* b, Py_ssize_t n) {
+        Py_ssize_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 u = _mm256_loadu_ps(a + j), v = _mm256_loadu_ps(b + j);
+            _mm256_storeu_ps(a + j, _mm256_min_ps(u, v));
+            _mm256_storeu_ps(b + j, _mm256_max_ps(u, v));
+        }
+        RA_CX_TAIL
     }
     #else
-    static inline void ra_compare_exchange(float* a, float* b, Py_ssize_t n) {
-        for (Py_ssize_t j = 0; j < n; j++) {
-            float u = a[j], v = b[j]; a[j] = u < v ? u : v; b[j] = u < v ? v : u;
-        }
-    }
+    static void ra_cx_base(float* a, float* b, Py_ssize_t n) { Py_ssize_t j = 0; RA_CX_TAIL }
     #endif
-    #include <math.h>
-    /* Copy one candidate's slice into a buffer row, NaN as +inf, counting real values
-       (branch-free, so it vectorises). */
-    static inline void ra_load_row(const float* restrict x, float* restrict dst,
-                                   int* restrict counts, Py_ssize_t n) {
-        for (Py_ssize_t j = 0; j < n; j++) {
-            float v = x[j];
-            int real = (v == v);
-            dst[j] = real ? v : INFINITY;
-            counts[j] += real;
-        }
+    #define RA_ROW_KERNELS(SUFFIX, ATTR)                                                    \
+    /* Copy one candidate's slice into a buffer row, NaN as +inf, counting real values. */ \
+    ATTR static void ra_load##SUFFIX(const float* restrict x, float* restrict dst,         \
+                                     int* restrict counts, Py_ssize_t n) {                  \
+        for (Py_ssize_t j = 0; j < n; j++) {                                                \
+            float v = x[j];                                                                 \
+            int real = (v == v);                                                            \
+            dst[j] = real ? v : INFINITY;                                                   \
+            counts[j] += real;                                                              \
+        }                                                                                   \
+    }                                                                                       \
+    /* acc[j] += row[j] in double: sorted rows added one at a time, so every column sums  \
+       in ascending order (the reference's order). */                                      \
+    ATTR static void ra_add##SUFFIX(const float* restrict row, double* restrict acc,       \
+                                    Py_ssize_t n) {                                         \
+        for (Py_ssize_t j = 0; j < n; j++) acc[j] += (double)row[j];                        \
+    }                                                                                       \
+    /* out[j] = (a[j] + b[j]) / 2 in double: the median of NaN-free columns. */            \
+    ATTR static void ra_mid##SUFFIX(const float* restrict a, const float* restrict b,      \
+                                    float* restrict out, Py_ssize_t n) {                    \
+        for (Py_ssize_t j = 0; j < n; j++)                                                  \
+            out[j] = (float)(((double)a[j] + (double)b[j]) / 2.0);                          \
+    }                                                                                       \
+    /* o[j] = o[j] + w * x[j] in float32 (o[j] = w * x[j] when first). */                  \
+    ATTR static void ra_axpy##SUFFIX(float* restrict o, const float* restrict x, float w,  \
+                                     int first, Py_ssize_t n) {                             \
+        if (first) { for (Py_ssize_t j = 0; j < n; j++) o[j] = w * x[j]; }                  \
+        else { for (Py_ssize_t j = 0; j < n; j++) o[j] = o[j] + w * x[j]; }                 \
     }
-    /* acc[j] += row[j] in double: sorted rows added one at a time, so every column sums
-       in ascending order (the reference's order) and the loop vectorises. */
-    static inline void ra_add_row(const float* restrict row, double* restrict acc, Py_ssize_t n) {
-        for (Py_ssize_t j = 0; j < n; j++) acc[j] += (double)row[j];
+
+    RA_ROW_KERNELS(_base, )
+    static void (*ra_compare_exchange)(float*, float*, Py_ssize_t) = ra_cx_base;
+    static void (*ra_load_row)(const float*, float*, int*, Py_ssize_t) = ra_load_base;
+    static void (*ra_add_row)(const float*, double*, Py_ssize_t) = ra_add_base;
+    static void (*ra_mid_rows)(const float*, const float*, float*, Py_ssize_t) = ra_mid_base;
+    static void (*ra_axpy_row)(float*, const float*, float, int, Py_ssize_t) = ra_axpy_base;
+
+    static void ra_use_base(void) {
+        ra_compare_exchange = ra_cx_base; ra_load_row = ra_load_base;
+        ra_add_row = ra_add_base; ra_mid_rows = ra_mid_base; ra_axpy_row = ra_axpy_base;
     }
-    /* out[j] = (a[j] + b[j]) / 2 in double: the median of NaN-free columns, rows at once. */
-    static inline void ra_mid_rows(const float* restrict a, const float* restrict b,
-                                   float* restrict out, Py_ssize_t n) {
-        for (Py_ssize_t j = 0; j < n; j++) out[j] = (float)(((double)a[j] + (double)b[j]) / 2.0);
+    /* The best row kernels this CPU runs, or the baseline ones when allow_avx2 is 0. */
+    #ifdef RA_X86
+    RA_ROW_KERNELS(_avx2, __attribute__((target("avx2"))))
+    static const char* ra_select_simd(int allow_avx2) {
+        ra_use_base();
+        __builtin_cpu_init();
+        if (!allow_avx2 || !__builtin_cpu_supports("avx2")) return "baseline";
+        ra_compare_exchange = ra_cx_avx2; ra_load_row = ra_load_avx2;
+        ra_add_row = ra_add_avx2; ra_mid_rows = ra_mid_avx2; ra_axpy_row = ra_axpy_avx2;
+        return "avx2";
     }
+    #else
+    static const char* ra_select_simd(int allow_avx2) { ra_use_base(); return "baseline"; }
+    #endif
     """
     void ra_compare_exchange(float* a, float* b, Py_ssize_t n) nogil
     void ra_load_row(const float* x, float* dst, int* counts, Py_ssize_t n) nogil
     void ra_add_row(const float* row, double* acc, Py_ssize_t n) nogil
     void ra_mid_rows(const float* a, const float* b, float* out, Py_ssize_t n) nogil
+    void ra_axpy_row(float* o, const float* x, float w, int first, Py_ssize_t n) nogil
+    const char* ra_select_simd(int allow_avx2)
+
+
+def select_simd(bint allow_avx2=True):
+    """Choose the row kernels: AVX2 where the CPU has it (unless not allowed), else the
+    baseline ones; returns the choice. Import chooses the best; tests run both."""
+    return ra_select_simd(allow_avx2).decode()
+
+
+SIMD = select_simd()  # the row kernels' instruction set on this CPU
 
 
 cdef inline void _sort_block(float* buf, const int* pairs, Py_ssize_t npairs,
@@ -267,22 +326,13 @@ def weighted_sum_of(list arrays, weights, out=None):
         row_v = flat[i]
         rows[i] = &row_v[0]
     cdef float* o
-    cdef const float* x
-    cdef float wi
     try:
         with nogil:
             for start in range(0, m, 4 * BLOCK):  # the output block stays in L1
                 width = min(4 * BLOCK, m - start)
                 o = &out_v[start]
-                x = rows[0] + start
-                wi = w[0]
-                for j in range(width):
-                    o[j] = wi * x[j]
-                for i in range(1, n):
-                    x = rows[i] + start
-                    wi = w[i]
-                    for j in range(width):
-                        o[j] = o[j] + wi * x[j]
+                for i in range(n):
+                    ra_axpy_row(o, rows[i] + start, w[i], i == 0, width)
     finally:
         free(rows)
     return out

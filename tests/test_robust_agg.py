@@ -124,3 +124,28 @@ def test_an_output_overlapping_another_candidate_is_refused() -> None:
             fn(rows, *args, out=buf[1:])  # shifted by one: later elements read after written
         with pytest.raises(ValueError, match="writeable C-contiguous float32"):
             fn(rows, *args, out=np.empty(8, np.float64))
+
+
+@pytest.mark.parametrize("allow_avx2", [False, True])
+def test_both_instruction_sets_match_the_reference(allow_avx2: bool) -> None:
+    """The import picks AVX2 where the CPU has it; the baseline kernels must agree too."""
+    rng = np.random.default_rng(1)
+    x_NxM = rng.normal(size=(9, 2500)).astype(np.float32)
+    x_NxM[rng.random(x_NxM.shape) < 0.05] = np.nan
+    x_NxM[3, :7] = np.inf
+    x_NxM[:, 100] = np.nan
+    rows = list(x_NxM)
+    weights = list(np.linspace(0.1, 1.0, len(rows)))
+    try:
+        robust_agg.select_simd(allow_avx2)
+        np.testing.assert_array_equal(robust_agg.nanmedian_of(rows),
+                                      robust_agg_ref.nanmedian(x_NxM))
+        np.testing.assert_array_equal(robust_agg.nan_trimmed_mean_of(rows, 2),
+                                      robust_agg_ref.nan_trimmed_mean(x_NxM, 2))
+        np.testing.assert_array_equal(robust_agg.nanmedian_of(rows[:8]),
+                                      robust_agg_ref.nanmedian(x_NxM[:8]))
+        clean = [np.nan_to_num(r, posinf=0.0) for r in rows]
+        np.testing.assert_array_equal(robust_agg.weighted_sum_of(clean, weights),
+                                      robust_agg_ref.weighted_sum_of(clean, weights))
+    finally:
+        assert robust_agg.select_simd() == robust_agg.SIMD
