@@ -12,10 +12,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from capibara_exp import experiment
-from capibara_exp.consensus import evaluate, federated, run, store
+from capibara_exp.consensus import action, evaluate, federated, methods, report, run, store
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, run_gate
 from capibara_exp.consensus.merge import REPORT, MergeSpec, merge
+from capibara_exp.gin_bridge import ConfigError
 from capibara_exp.runtime import checkpoints
+from capibara_exp.runtime.trainer import TrainState
 from tests.conftest import compose_config
 
 TINY = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp_dim=64",
@@ -55,8 +57,9 @@ def setup(tmp_path_factory, data_dir):
         state = federated.local_steps(trainer, start, batches, LOCAL_STEPS)
         honest.append(save_tree(root / f"honest{i}", LOCAL_STEPS,
                                 state.state_dict(), config_gin))  # sharded jax.Arrays
+    selection, held_out = evaluate.from_parts(parts)
     return {"root": root, "config_gin": config_gin, "parts": parts, "base": base,
-            "honest": honest, "evaluator": evaluate.from_parts(parts)}
+            "honest": honest, "evaluator": selection, "report_evaluator": held_out}
 
 
 def corrupt(setup: dict, source: store.Candidate, kind: str) -> store.Candidate:
@@ -109,7 +112,7 @@ def test_bit_flip_and_truncation_are_detected_and_excluded(setup, tmp_path) -> N
     cands = [store.candidate_from_path(flipped, "flipped"), store.candidate_from_path(cut, "cut"),
              *setup["honest"][:3]]
     with store.LeafReader() as reader:
-        gate = run_gate(cands, reader, None, GateConfig())
+        gate = run_gate(cands, reader, None, GateConfig(max_val_loss_ratio=None))
     assert set(gate.rejected) == {"flipped", "cut"}
     assert "corrupt" in gate.rejected["flipped"] and "truncated" in gate.rejected["cut"]
 
@@ -169,7 +172,8 @@ def test_structurally_different_candidate_is_rejected(setup, tmp_path) -> None:
     del tree["target"]["decoder_norm"]
     odd = save_tree(tmp_path / "odd", LOCAL_STEPS, tree, setup["config_gin"])
     with store.LeafReader() as reader:
-        gate = run_gate([*setup["honest"][:3], odd], reader, None, GateConfig())
+        gate = run_gate([*setup["honest"][:3], odd], reader, None,
+                        GateConfig(max_val_loss_ratio=None))
     assert list(gate.rejected) == ["odd"]
     assert "missing target.decoder_norm.scale" in gate.rejected["odd"]
 
@@ -184,11 +188,26 @@ def test_krum_selects_an_honest_candidate(setup, tmp_path) -> None:
 
 
 def test_greedy_soup_is_never_worse_than_the_best_single_candidate(setup, tmp_path) -> None:
+    """...on the selection batches it chooses with; held-out batches only report."""
+    selection, held_out = setup["evaluator"], setup["report_evaluator"]
+    assert all(not np.array_equal(a["decoder_target_tokens"], b["decoder_target_tokens"])
+               for a in selection.batches for b in held_out.batches)  # disjoint sets
     cands = [*setup["honest"], corrupt(setup, setup["honest"][2], "noise")]
-    rep = merge(cands, MergeSpec("greedy_soup"), tmp_path, setup["evaluator"], OFF)
+    rep = merge(cands, MergeSpec("greedy_soup"), tmp_path, selection, OFF,
+                report_evaluator=held_out)
     best = min(r["val_loss"] for r in rep["candidates"])
     assert rep["val_loss"]["merged"] <= best + 1e-6
     assert [r for r in rep["candidates"] if r["name"] == "bad_noise"][0]["weight"] == 0.0
+    params = read_tree(setup["honest"][0].step_dir)["target"]
+    row = rep["candidates"][0]
+    assert row["val_loss"] == pytest.approx(selection.loss(params), rel=1e-6)
+    assert row["held_out_loss"] == pytest.approx(held_out.loss(params), rel=1e-6)
+    assert row["val_loss"] != row["held_out_loss"]
+    merged = read_tree(Path(rep["merged_checkpoint"]))["target"]
+    assert rep["val_loss"]["merged"] == pytest.approx(selection.loss(merged), rel=1e-6)
+    assert rep["held_out_loss"]["merged"] == pytest.approx(held_out.loss(merged), rel=1e-6)
+    assert report.warning_lines(rep) == []
+    assert "in-sample" in report.warning_lines(dict(rep, held_out_loss=None))[0]
 
 
 @pytest.mark.slow
@@ -350,3 +369,137 @@ def test_weighted_merge_follows_the_given_weights(setup, tmp_path) -> None:
     assert [r["weight"] for r in rep["candidates"]] == [0.25, 0.25, 0.5, None]  # renormalised
     with pytest.raises(ValueError, match="one weight per candidate"):
         merge(honest, MergeSpec("weighted", weights=(1.0,)), tmp_path / "c", setup["evaluator"])
+
+
+def compose_merge(runs: list, out: Path, overrides: list[str]):
+    """conf/merge.yaml as `capibara-exp-merge` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from capibara_exp.paths import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("merge", overrides=[f"runs=[{','.join(str(r) for r in runs)}]",
+                                           f"out={out}", *overrides])
+
+
+def test_checksum_action_gives_manifests_to_checkpoints_written_without_them(setup,
+                                                                             tmp_path) -> None:
+    """Real T5X writes no manifest: the action (bound in config.gin) writes it after the save."""
+    model_dir = tmp_path / "t5x_run"
+    shutil.copytree(setup["honest"][0].step_dir.parent, model_dir)
+    step_dir = model_dir / f"checkpoint_{LOCAL_STEPS}"
+    (step_dir / checkpoints.MANIFEST).unlink()
+    in_flight = model_dir / f"checkpoint_{2 * LOCAL_STEPS}.orbax-checkpoint-tmp-1"
+    shutil.copytree(step_dir, in_flight)  # Orbax renames it when finished: not yet a checkpoint
+    assert checkpoints.verify_manifest(step_dir) is None
+    act = action.ChecksumCheckpoints(str(model_dir))
+    assert act.run(TrainState(step=LOCAL_STEPS, params=None, opt_state=None), {}) is False
+    assert act.manifests_written == [step_dir / checkpoints.MANIFEST]
+    assert checkpoints.verify_manifest(step_dir) == []
+    assert not (in_flight / checkpoints.MANIFEST).exists()
+    act.run(TrainState(step=LOCAL_STEPS, params=None, opt_state=None), {})
+    assert len(act.manifests_written) == 1  # an existing manifest is never rewritten
+    victim = max((p for p in step_dir.rglob("*") if p.is_file() and "ocdbt" in str(p.parent)),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    victim.write_bytes(bytes(data))  # damage after the manifest: a merge now catches it
+    assert "SHA-256 differs" in checkpoints.verify_manifest(step_dir)[0]
+    # ConsensusMerge does the same on every call before its final merge.
+    (step_dir / checkpoints.MANIFEST).unlink()
+    merge_act = action.ConsensusMerge(str(model_dir), total_steps=100)
+    merge_act.run(TrainState(step=LOCAL_STEPS, params=None, opt_state=None), {})
+    assert merge_act.manifests_written == [step_dir / checkpoints.MANIFEST]
+    assert merge_act.fired_at is None
+
+
+def test_no_manifest_is_rejected_by_default_or_merged_marked_unverified(setup, tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    bare = tmp_path / "nomanifest"
+    shutil.copytree(setup["honest"][0].step_dir.parent, bare)
+    (bare / f"checkpoint_{LOCAL_STEPS}" / checkpoints.MANIFEST).unlink()
+    cands = [store.candidate_from_path(bare, "bare"), *setup["honest"][1:3]]
+
+    def shipped_gate(*overrides: str) -> GateConfig:  # conf/merge.yaml's gate
+        cfg = compose_merge(["unused"], tmp_path, ["gate.max_val_loss_ratio=null", *overrides])
+        return GateConfig(**OmegaConf.to_container(cfg.gate))
+
+    strict = merge(cands, MergeSpec("uniform"), tmp_path / "strict", None, shipped_gate())
+    assert "no checksum manifest" in strict["rejections"]["bare"]
+    assert "require_manifest=false" in strict["rejections"]["bare"] and strict["unverified"] == []
+    assert report.warning_lines(strict) == []
+    lenient = merge(cands, MergeSpec("uniform"), tmp_path / "lenient", None,
+                    shipped_gate("gate.require_manifest=false"))
+    assert [(r["accepted"], r["integrity"]) for r in lenient["candidates"]] == [
+        (True, "unverified"), (True, "verified"), (True, "verified")]
+    assert lenient["unverified"] == ["bare"]
+    assert "integrity unverified: bare" in report.warning_lines(lenient)[0]
+
+
+def run_merge_cfg(cfg) -> dict:
+    from capibara_exp.consensus.cli import run_merge
+
+    return run_merge(cfg)
+
+
+def test_merge_cli_runs_on_bare_checkpoints_when_nothing_needs_validation(setup,
+                                                                          tmp_path) -> None:
+    runs = []
+    for c in setup["honest"][:3]:  # checkpoint dirs with no config.gin above them
+        dst = tmp_path / "bare" / c.step_dir.parent.name / c.step_dir.name
+        shutil.copytree(c.step_dir, dst)
+        runs.append(dst)
+    with pytest.raises(ConfigError, match="no config.gin"):
+        run.find_config_gin(runs[0])
+    out = tmp_path / "m"
+    rep = run_merge_cfg(compose_merge(runs, out, ["method=median",
+                                                  "gate.max_val_loss_ratio=null"]))
+    assert rep["val_loss"]["merged"] is None and rep["held_out_loss"] is None
+    assert not (out / "merge_metrics.png").exists() and (out / REPORT).is_file()
+    got = target_leaves(Path(rep["merged_checkpoint"]))
+    cands = [target_leaves(r) for r in runs]
+    np.testing.assert_allclose(got[0], np.median([c[0] for c in cands], axis=0), rtol=1e-6)
+    for extra, key in ((["method=median"], "gate.max_val_loss_ratio=1.5"),
+                       (["method=greedy_soup", "gate.max_val_loss_ratio=null"],
+                        "method=greedy_soup")):
+        with pytest.raises(ConfigError, match=rf"{key} need validation batches.*eval_config="):
+            run_merge_cfg(compose_merge(runs, tmp_path / "x", extra))
+
+
+def test_ties_thresholds_are_exact_over_the_whole_task_vector() -> None:
+    rng = np.random.default_rng(0)
+    # Two candidates' task vectors over three leaves: one leaf moved a lot, two barely.
+    leaves = [[rng.normal(0.0, scale, shape).astype(np.float32) for _ in range(2)]
+              for scale, shape in ((1.0, (300,)), (1e-3, (500,)), (1e-3, (20, 10)))]
+    leaves[0][1][:40] = leaves[0][1][40]  # equal magnitudes around the cut
+    density = 0.25
+    got = methods.ties_thresholds(lambda: iter(leaves), density)
+    for i in range(2):
+        mags = np.sort(np.concatenate([np.abs(leaf[i]).ravel() for leaf in leaves]))[::-1]
+        assert got[i] == mags[round(density * mags.size) - 1]
+    # Trimmed over the whole task vector, the barely-moved leaves keep nothing (a per-leaf
+    # trim would keep a quarter of each).
+    assert not np.any(np.asarray(methods.ties(leaves[1], np.zeros(500, np.float32), got, 1.0)))
+    kept = np.asarray(methods.ties(leaves[0], np.zeros(300, np.float32), got, 1.0))
+    assert 0 < np.count_nonzero(kept) <= 300
+    with pytest.raises(ValueError, match="density must be in"):
+        methods.ties_thresholds(lambda: iter(leaves), 0.0)
+
+
+def test_fedavg_from_the_merge_config_advances_the_schedule_across_rounds(setup,
+                                                                          tmp_path) -> None:
+    cfg = compose_merge([setup["honest"][0].step_dir.parent], tmp_path,
+                        ["method=fedavg", "fedavg.num_clients=1", "fedavg.rounds=2",
+                         "fedavg.local_steps=1", "eval_batches=0"])
+    rep = run_merge_cfg(cfg)
+    first, second = rep["rounds"]
+    # schedule.warmup_steps=2: step 0's rate is the schedule's floor, step 1's half the base.
+    assert (first["first_step"], second["first_step"]) == (0, 1)
+    assert first["learning_rate"] < 1e-7 < 1e-4 < second["learning_rate"]
+    # Round 2 really steps at step 1's rate (fresh Adam moments, so an update's size
+    # follows the rate): were the schedule restarted, both updates would be alike.
+    assert second["update_norm"] > 1000 * first["update_norm"] > 0
+    written = read_tree(Path(rep["checkpoint"]))
+    assert int(written["state"]["step"]) == 2 and first["val_loss"] is None
+    assert (tmp_path / federated.REPORT).is_file()

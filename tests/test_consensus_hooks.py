@@ -41,6 +41,28 @@ def test_last_k_action_is_bound_in_config_gin_for_both_engines() -> None:
         compose_config(TINY), "local", GIN_DIR))  # consensus=none adds nothing
 
 
+@pytest.mark.parametrize("choice, action", [("last_k", "ConsensusMerge"),
+                                            ("sweep_soup", "ChecksumCheckpoints")])
+def test_checksum_action_is_bound_identically_for_both_engines(tmp_path, choice, action) -> None:
+    """T5X writes no checksum manifests: each consensus choice binds an action that does,
+    with the same gin under both engines."""
+    import gin
+
+    from capibara_exp import gin_bridge
+    from capibara_exp.paths import GIN_DIR
+
+    cfg = compose_config([*TINY, *COMMON[:3], f"consensus={choice}"])
+    local, t5x = (gin_bridge.render(cfg, e, GIN_DIR) for e in ("local", "t5x"))
+    assert gin_bridge.body_of(local) == gin_bridge.body_of(t5x)
+    assert f"@consensus.{action}()" in gin_bridge.body_of(t5x)
+    (tmp_path / "config.gin").write_text(local)
+    gin_utils.parse(tmp_path / "config.gin", local)
+    bound = gin.get_bindings("train_script.train")["actions"]["TRAIN_EVAL"]
+    assert [type(a).__name__ for a in bound] == [action]
+    assert isinstance(bound[0], consensus_action.ChecksumCheckpoints)
+    assert bound[0].model_dir == Path(cfg.model_dir)
+
+
 @pytest.mark.slow
 def test_action_merges_last_k_once_and_training_resumes_from_the_merge(tmp_path, data_dir) -> None:
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
@@ -66,7 +88,7 @@ def test_action_fires_exactly_once(tmp_path, data_dir) -> None:
     train(tmp_path, "trainer.train_steps=2", *COMMON[:3])  # two checkpoints, no action
     train(tmp_path, "trainer.train_steps=4", *COMMON[:3])
     act = consensus_action.ConsensusMerge(str(tmp_path), total_steps=4, last_k=2,
-                                          require_manifest=True)
+                                          require_manifest=True, max_val_loss_ratio=None)
     state = lambda s: TrainState(step=s, params=None, opt_state=None)  # noqa: E731
     assert act.run(state(2), {}) is False and act.fired_at is None
     assert not (tmp_path / "merged").exists()

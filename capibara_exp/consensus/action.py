@@ -1,14 +1,23 @@
-"""`ConsensusMerge`: a T5X action (TRAIN_EVAL) that merges the run's last K checkpoints once.
+"""T5X actions (TRAIN_EVAL) for consensus merging, the same class names under both engines.
 
-Registered in config.gin as `train_script.train.actions = {'TRAIN_EVAL':
-[@consensus.ConsensusMerge()]}` under both engines: it implements T5X's
-`BaseAction.run(train_state, metrics_by_task)` and reads only `train_state.step`, so real
-T5X runs it too. TRAIN_EVAL actions run after the final checkpoint is written, and T5X
-has no end-of-training mode, so it fires at the first call with step >= total_steps.
+`ChecksumCheckpoints` writes a checksum manifest into every finished checkpoint of the
+model dir that lacks one. The local engine's checkpoints.save writes manifests itself;
+real T5X writes none, so this action gives its checkpoints one soon after they are
+written (T5X runs TRAIN_EVAL actions after each train-eval pass; on the final epoch
+after the checkpoint is saved), and a later merge can verify them under either engine.
+
+`ConsensusMerge` does the same on every call and, once, at the first call with
+step >= total_steps (T5X has no end-of-training mode), merges the run's last K
+checkpoints into model_dir/merged.
+
+Both implement T5X's `BaseAction.run(train_state, metrics_by_task)` and read only
+`train_state.step`, so real T5X runs them too; the gin body binds them identically
+for both engines (gin/consensus/).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,20 +27,62 @@ from capibara_exp.runtime.trainer import BaseAction
 MERGED_SUBDIR = "merged"
 
 
-class ConsensusMerge(BaseAction):
-    """Merge the last `last_k` checkpoints of model_dir into model_dir/merged at the end."""
+def write_missing_manifests(model_dir: str | Path) -> list[Path]:
+    """A manifest for each finished checkpoint_<step> of model_dir without one; returns them.
+
+    Orbax writes a checkpoint under a temporary name and renames it when complete, so a
+    step dir that `checkpoints.steps` lists is finished. One deleted meanwhile (the
+    manager keeps only so many) is skipped."""
+    import jax
+
+    from capibara_exp.runtime import checkpoints
+
+    if jax.process_index() != 0:
+        return []
+    written = []
+    for step in checkpoints.steps(model_dir):
+        step_dir = Path(model_dir) / f"{checkpoints.STEP_PREFIX}_{step}"
+        if (step_dir / checkpoints.MANIFEST).is_file():
+            continue
+        try:
+            written.append(checkpoints.write_manifest(step_dir))
+        except FileNotFoundError:
+            if step_dir.exists():
+                raise
+    return written
+
+
+class ChecksumCheckpoints(BaseAction):
+    """Give every finished checkpoint of model_dir a checksum manifest (never stops training)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = Path(model_dir)
+        self.manifests_written: list[Path] = []
+
+    def run(self, train_state: Any, metrics_by_task: Mapping[str, Any]) -> bool:
+        self.manifests_written += write_missing_manifests(self.model_dir)
+        return False
+
+
+class ConsensusMerge(ChecksumCheckpoints):
+    """Checksum new checkpoints; at the end, merge the last `last_k` into model_dir/merged.
+
+    The validation data set gives `eval_steps` selection batches (gate, soups) and the next
+    `report_steps` (default eval_steps) held-out batches for the report.
+    """
 
     def __init__(self, model_dir: str, total_steps: int, method: str = "uniform", last_k: int = 3,
                  model: Any = None, eval_dataset_cfg: Any = None, eval_steps: int = 1,
-                 num_byzantine: int = 0, weights: Sequence[float] | None = None,
-                 min_pass_fraction: float = 0.5, max_val_loss: float | None = None,
-                 max_val_loss_ratio: float | None = 1.5, require_manifest: bool = True):
+                 report_steps: int | None = None, num_byzantine: int = 0,
+                 weights: Sequence[float] | None = None, min_pass_fraction: float = 0.5,
+                 max_val_loss: float | None = None, max_val_loss_ratio: float | None = 1.5,
+                 require_manifest: bool = True):
         from capibara_exp.consensus.gate import GateConfig
         from capibara_exp.consensus.merge import MergeSpec
 
+        super().__init__(model_dir)
         if last_k < 1:
             raise ValueError(f"consensus.ConsensusMerge.last_k must be >= 1, got {last_k}")
-        self.model_dir = Path(model_dir)
         self.total_steps = total_steps
         self.last_k = last_k
         self.spec = MergeSpec(method=method, num_byzantine=num_byzantine,
@@ -39,23 +90,29 @@ class ConsensusMerge(BaseAction):
         self.gate = GateConfig(require_manifest=require_manifest, max_val_loss=max_val_loss,
                                max_val_loss_ratio=max_val_loss_ratio,
                                min_pass_fraction=min_pass_fraction)
-        self.model, self.eval_dataset_cfg, self.eval_steps = model, eval_dataset_cfg, eval_steps
+        self.model, self.eval_dataset_cfg = model, eval_dataset_cfg
+        self.eval_steps = max(eval_steps, 1)
+        self.report_steps = self.eval_steps if report_steps is None else report_steps
         self.fired_at: int | None = None
         self.report: dict | None = None
 
     def run(self, train_state: Any, metrics_by_task: Mapping[str, Any]) -> bool:
+        super().run(train_state, metrics_by_task)  # the final checkpoint gets its manifest too
         step = int(train_state.step)
         if self.fired_at is not None or step < self.total_steps:
             return False
         self.fired_at = step
-        from capibara_exp.consensus import store
-        from capibara_exp.consensus.evaluate import Evaluator
+        from capibara_exp.consensus import report, store
+        from capibara_exp.consensus.evaluate import held_out
         from capibara_exp.consensus.merge import merge
 
-        evaluator = None
+        evaluator = report_evaluator = None
         if self.model is not None and self.eval_dataset_cfg is not None:
-            evaluator = Evaluator(self.model, self.eval_dataset_cfg, max(self.eval_steps, 1))
+            evaluator, report_evaluator = held_out(self.model, self.eval_dataset_cfg,
+                                                   self.eval_steps, self.report_steps)
         candidates = store.last_k(self.model_dir, self.last_k)
         self.report = merge(candidates, self.spec, self.model_dir / MERGED_SUBDIR, evaluator,
-                            self.gate)
+                            self.gate, report_evaluator=report_evaluator)
+        for line in report.warning_lines(self.report):
+            print(f"capibara-exp consensus merge: {line}", file=sys.stderr)
         return False  # merging never stops training; it runs after the final step anyway

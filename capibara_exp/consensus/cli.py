@@ -10,14 +10,46 @@ from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.paths import CONF_DIR
 
+FEDAVG = "fedavg"
+_SPEC_KEYS = ("method", "num_byzantine", "num_selected", "scale", "density", "learn_steps",
+              "learn_rate", "per_layer")
+
+
+def _config_gin(cfg: DictConfig, first_run: str | Path) -> Path:
+    from capibara_exp.consensus import run
+
+    return Path(cfg.eval_config) if cfg.eval_config else run.find_config_gin(first_run)
+
+
+def _evaluators(cfg: DictConfig, first_run: Path, needs: list[str]) -> tuple:
+    """(selection, report) evaluators from the run's config.gin; (None, None) when there is
+    none and nothing needs validation; an error naming the keys when something does."""
+    from capibara_exp.consensus import evaluate, run
+    from capibara_exp.gin_bridge import ConfigError
+
+    try:
+        config_gin = _config_gin(cfg, first_run)
+    except ConfigError as err:
+        if not needs:
+            return None, None  # bare checkpoints: merge without validation
+        raise ConfigError(f"{', '.join(needs)} need validation batches, but {err}. Set "
+                          "eval_config=<a run's config.gin>, or turn those checks off (e.g. "
+                          "gate.max_val_loss_ratio=null)") from None
+    return evaluate.from_parts(run.load_parts(config_gin), cfg.eval_batches, cfg.report_batches)
+
 
 def run_merge(cfg: DictConfig) -> dict:
-    """Merge the configured checkpoints into cfg.out; returns the merge report."""
-    from capibara_exp.consensus import evaluate, run, store
+    """Merge the configured checkpoints into cfg.out (or run FedAvg); returns the report."""
+    from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
-    from capibara_exp.consensus.merge import MergeSpec, merge
+    from capibara_exp.consensus.merge import METHODS, MergeSpec, evaluation_needs, merge
 
+    if cfg.method not in (*METHODS, FEDAVG):
+        raise ValueError(f"method: unknown merge method {cfg.method!r} (choose from "
+                         f"{', '.join(METHODS)}, or {FEDAVG})")
     runs = [cfg.runs] if isinstance(cfg.runs, str) else list(cfg.runs)
+    if cfg.method == FEDAVG:
+        return run_fedavg(cfg, runs)
     if cfg.last_k:
         if len(runs) != 1:
             raise ValueError(f"last_k={cfg.last_k} merges one run's checkpoints; "
@@ -25,19 +57,45 @@ def run_merge(cfg: DictConfig) -> dict:
         candidates = store.last_k(runs[0], int(cfg.last_k))
     else:
         candidates = [store.candidate_from_path(r) for r in runs]
-    spec_keys = ("method", "num_byzantine", "num_selected", "scale", "density", "learn_steps",
-                 "learn_rate", "per_layer")
     spec = MergeSpec(weights=OmegaConf.to_container(cfg.weights) if cfg.weights else None,
-                     **{k: cfg[k] for k in spec_keys})
-    parts = run.load_parts(cfg.eval_config or run.find_config_gin(candidates[0].step_dir))
-    evaluator = evaluate.from_parts(parts, cfg.eval_batches)
+                     **{k: cfg[k] for k in _SPEC_KEYS})
+    gate = GateConfig(**OmegaConf.to_container(cfg.gate))
+    evaluator, report_evaluator = _evaluators(cfg, candidates[0].step_dir,
+                                              evaluation_needs(spec, gate))
     base = store.candidate_from_path(cfg.base) if cfg.base else None
-    return merge(candidates, spec, Path(cfg.out), evaluator,
-                 GateConfig(**OmegaConf.to_container(cfg.gate)), base)
+    return merge(candidates, spec, Path(cfg.out), evaluator, gate, base,
+                 report_evaluator=report_evaluator)
+
+
+def run_fedavg(cfg: DictConfig, runs: list[str]) -> dict:
+    """method=fedavg: FedAvg rounds on client shards of the task of the run's config.gin."""
+    from capibara_exp.consensus import evaluate, federated, run
+
+    if len(runs) != 1:
+        raise ValueError(f"method=fedavg trains the model and task of one run; runs has "
+                         f"{len(runs)}")
+    parts = run.load_parts(_config_gin(cfg, runs[0]))
+    evaluator = None  # eval_batches=0: no validation loss per round
+    if cfg.eval_batches != 0:
+        evaluator, _ = evaluate.from_parts(parts, cfg.eval_batches, report_batches=0)
+    fed = federated.FedConfig(**OmegaConf.to_container(cfg.fedavg))
+    return federated.fedavg(parts, fed, evaluator, Path(cfg.out))[1]
+
+
+def _summary(rep: dict) -> str:
+    if "rounds" in rep:  # FedAvg
+        eps = f", epsilon {rep['epsilon']:.3g} at delta {rep['delta']}" if rep["epsilon"] else ""
+        return (f"{rep['checkpoint']} after {len(rep['rounds'])} rounds (val loss "
+                f"{rep['rounds'][-1]['val_loss']}{eps})")
+    loss = rep["held_out_loss"] or rep["val_loss"]
+    which = "held-out loss" if rep["held_out_loss"] else "val loss"
+    return (f"{rep['merged_checkpoint']} ({which} {loss['merged']}, best candidate "
+            f"{loss['best_candidate']})")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
 def _app(cfg: DictConfig) -> None:
+    from capibara_exp.consensus import report
     from capibara_exp.consensus.gate import ConsensusError
 
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -51,8 +109,9 @@ def _app(cfg: DictConfig) -> None:
     except (ConsensusError, ValueError, FileNotFoundError) as err:
         print(f"capibara-exp-merge: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"capibara-exp-merge: {rep['merged_checkpoint']} (val loss {rep['val_loss']['merged']}, "
-          f"best candidate {rep['val_loss']['best_candidate']})", file=sys.stderr)
+    for line in ([] if "rounds" in rep else report.warning_lines(rep)):
+        print(f"capibara-exp-merge: {line}", file=sys.stderr)
+    print(f"capibara-exp-merge: {_summary(rep)}", file=sys.stderr)
 
 
 def main() -> None:

@@ -1,7 +1,14 @@
-"""Validation loss of parameter trees on fixed batches, with the run's own model loss."""
+"""Validation loss of parameter trees on fixed batches, with the run's own model loss.
+
+Held-out batches come in two disjoint sets drawn from one pass over the validation
+split: the selection set, which the gate, greedy soup and learned weights look at, and
+the report set, which only the report sees, so the merged model's reported loss is not
+measured on the batches that chose it.
+"""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -10,21 +17,18 @@ import numpy as np
 
 
 class Evaluator:
-    """Mean per-token loss of `model` on `num_batches` fixed batches of a data set.
+    """Mean per-token loss of `model` on fixed batches.
 
     The same batches score every candidate and the merge, so the numbers compare. Works
     with any model whose `loss_fn(params, batch, dropout_rng)` returns (summed loss, ...)
     (the local engine's and T5X's models without loss_normalizing_factor).
     """
 
-    def __init__(self, model: Any, dataset_cfg: Any, num_batches: int):
-        from capibara_exp.runtime import inputs
-
-        if num_batches < 1:
-            raise ValueError(f"evaluation needs at least one batch, got num_batches={num_batches}")
+    def __init__(self, model: Any, batches: list[dict]):
+        if not batches:
+            raise ValueError("evaluation needs at least one batch")
         self.model = model
-        it = inputs.batches(dataset_cfg, model.FEATURE_CONVERTER_CLS, dataset_cfg.seed, repeat=True)
-        self.batches = [next(it) for _ in range(num_batches)]
+        self.batches = batches
         self.tokens = float(sum(np.sum(b["decoder_loss_weights"]) for b in self.batches))
         self._loss = jax.jit(self._total_loss)
         self._loss_and_grad = jax.jit(jax.value_and_grad(self._total_loss))
@@ -45,9 +49,36 @@ class Evaluator:
         return float(value), grads
 
 
-def from_parts(parts: Any, num_batches: int | None = None) -> Evaluator:
-    """An evaluator on a run's train_eval data set (its eval_steps batches by default)."""
+def held_out(model: Any, dataset_cfg: Any, selection_batches: int, report_batches: int
+             ) -> tuple[Evaluator, Evaluator | None]:
+    """(selection evaluator, report evaluator or None when report_batches is 0), on
+    consecutive, disjoint batches of one pass over the data set."""
+    from capibara_exp.runtime import inputs
+
+    if selection_batches < 1 or report_batches < 0:
+        raise ValueError(f"held-out batches: selection needs >= 1 and report >= 0, got "
+                         f"{selection_batches} and {report_batches}")
+    want = selection_batches + report_batches
+    stream = inputs.batches(dataset_cfg, model.FEATURE_CONVERTER_CLS, dataset_cfg.seed,
+                            repeat=False)
+    got = list(itertools.islice(stream, want))
+    if len(got) < want:
+        raise ValueError(
+            f"validation data {dataset_cfg.mixture_or_task_name!r} (split {dataset_cfg.split!r}) "
+            f"has {len(got)} batches of {dataset_cfg.batch_size}; {selection_batches} selection + "
+            f"{report_batches} report batches need {want}: lower them (report batches 0 reports "
+            "on the selection batches, flagged in-sample)")
+    report = Evaluator(model, got[selection_batches:]) if report_batches else None
+    return Evaluator(model, got[:selection_batches]), report
+
+
+def from_parts(parts: Any, selection_batches: int | None = None,
+               report_batches: int | None = None) -> tuple[Evaluator, Evaluator | None]:
+    """Selection and report evaluators on a run's train_eval data set: its eval_steps
+    selection batches by default, and as many report batches as selection ones."""
     if parts.eval_dataset_cfg is None:
         raise ValueError("the run has no train_eval data set (train_eval_dataset_cfg = None): "
                          "merging needs validation batches to gate and report candidates")
-    return Evaluator(parts.model, parts.eval_dataset_cfg, num_batches or max(parts.eval_steps, 1))
+    selection = max(parts.eval_steps, 1) if selection_batches is None else selection_batches
+    return held_out(parts.model, parts.eval_dataset_cfg, selection,
+                    selection if report_batches is None else report_batches)

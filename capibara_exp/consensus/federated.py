@@ -2,7 +2,9 @@
 
 Clients are simulated in one process. Each round every client starts from the global
 parameters, takes a few local steps of the run's own trainer on its shard of the task
-(seqio.ShardInfo), and sends back its parameter delta. With DP, each delta is clipped to
+(seqio.ShardInfo), and sends back its parameter delta. Clients keep no optimizer state
+between rounds (fresh moments each round), while the learning-rate schedule follows the
+global step, so warm-up and decay advance round by round. With DP, each delta is clipped to
 `clip_norm` and the average gets Gaussian noise of std noise_multiplier * clip_norm /
 num_clients (DP-FedAvg, McMahan et al. 2018); epsilon comes from dp-accounting's RDP
 accountant.
@@ -11,6 +13,7 @@ accountant.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,10 +79,56 @@ def local_steps(trainer: Any, state: TrainState, batches: Iterator[dict], steps:
     return state
 
 
+_COUNTED = (optax.ScaleByScheduleState, optax.InjectStatefulHyperparamsState)
+
+
+def with_schedule_count(opt_state: Any, count: int) -> Any:
+    """opt_state with every schedule counter set to `count` and all else as given.
+
+    FedAvg's clients start each round from fresh optimizer moments (the state the round
+    starts from is the initial one), but the learning-rate schedule follows the global
+    step, as it would in one run: round r's local steps use the rates of steps
+    r * local_steps onwards, so warm-up and decay advance across rounds.
+    """
+    def set_count(node: Any) -> Any:
+        if isinstance(node, _COUNTED):
+            return node._replace(count=jnp.asarray(count, jnp.asarray(node.count).dtype))
+        return node
+
+    return jax.tree.map(set_count, opt_state, is_leaf=lambda n: isinstance(n, _COUNTED))
+
+
 def clip(delta: Any, clip_norm: float) -> Any:
     """Scale a pytree to L2 norm at most clip_norm."""
     norm = optax.tree.norm(delta)
     return jax.tree.map(lambda d: d * jnp.minimum(1.0, clip_norm / (norm + 1e-12)), delta)
+
+
+# The round's arithmetic, one compiled program each (op by op, every leaf shape of every
+# tree operation compiled on its own: about a hundred compiles for a tiny model).
+@jax.jit
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+@jax.jit
+def _fresh_copy(tree: Any) -> Any:
+    return jax.tree.map(jnp.copy, tree)  # the train step donates its input
+
+
+@functools.partial(jax.jit, static_argnames=("clip_norm",))
+def _add_client(total: Any, local: Any, start: Any, clip_norm: float | None) -> Any:
+    delta = jax.tree.map(jnp.subtract, local, start)
+    if clip_norm is not None:
+        delta = clip(delta, clip_norm)
+    return jax.tree.map(jnp.add, total, delta)
+
+
+@jax.jit
+def _apply_mean(params: Any, total: Any, noise: Any, num_clients: int) -> tuple[Any, Any]:
+    """(params + the mean client update with its noise, that update's L2 norm)."""
+    mean = jax.tree.map(lambda t, z: t / num_clients + z, total, noise)
+    return jax.tree.map(jnp.add, params, mean), optax.tree.norm(mean)
 
 
 def epsilon(cfg: FedConfig) -> float | None:
@@ -95,33 +144,38 @@ def epsilon(cfg: FedConfig) -> float | None:
 
 def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None,
            out_dir: str | Path | None = None) -> tuple[TrainState, dict]:
-    """Run FedAvg; returns the global state and a report (loss per round, epsilon).
+    """Run FedAvg; returns the global state and a report (per round: the schedule's learning
+    rate at its first local step, the norm of the global update, the validation loss; and
+    epsilon).
 
     With out_dir, the global state is written there as a T5X-layout checkpoint (with its
     manifest) beside fedavg_report.json.
     """
     trainer, global_state = build_trainer(parts, cfg.seed)
+    fresh_opt_state = global_state.opt_state  # the moments every round starts from
     streams = [client_batches(parts, c, cfg.num_clients) for c in range(cfg.num_clients)]
     rng = np.random.default_rng(cfg.seed)
     history = []
     for r in range(cfg.rounds):
-        total = jax.tree.map(jnp.zeros_like, global_state.params)
+        step = int(jax.device_get(global_state.step))
+        round_start = global_state.replace(opt_state=with_schedule_count(fresh_opt_state, step))
+        total = _zeros(global_state.params)
         for c in range(cfg.num_clients):
-            start = jax.tree.map(jnp.copy, global_state)  # the train step donates its input
-            local = local_steps(trainer, start, streams[c], cfg.local_steps)
-            delta = jax.tree.map(jnp.subtract, local.params, global_state.params)
-            if cfg.clip_norm is not None:
-                delta = clip(delta, cfg.clip_norm)
-            total = jax.tree.map(jnp.add, total, delta)
-        mean = jax.tree.map(lambda t: t / cfg.num_clients, total)
+            local = local_steps(trainer, _fresh_copy(round_start), streams[c], cfg.local_steps)
+            total = _add_client(total, local.params, global_state.params, cfg.clip_norm)
+        std = 0.0
         if cfg.clip_norm is not None and cfg.noise_multiplier > 0:
             std = cfg.noise_multiplier * cfg.clip_norm / cfg.num_clients
-            mean = jax.tree.map(lambda m: m + std * jnp.asarray(
-                rng.standard_normal(m.shape), m.dtype), mean)
-        params = jax.tree.map(jnp.add, global_state.params, mean)
-        global_state = global_state.replace(params=params,
-                                            step=global_state.step + cfg.local_steps)
-        history.append({"round": r + 1,
+        noise = jax.tree.map(lambda m, std=std: np.asarray(
+            std * rng.standard_normal(m.shape) if std else np.zeros(m.shape), m.dtype), total)
+        params, update_norm = _apply_mean(global_state.params, total, noise, cfg.num_clients)
+        end = step + cfg.local_steps
+        global_state = global_state.replace(
+            params=params, step=jnp.asarray(end, jnp.asarray(global_state.step).dtype),
+            opt_state=with_schedule_count(fresh_opt_state, end))
+        history.append({"round": r + 1, "first_step": step,
+                        "learning_rate": float(trainer.learning_rate_fn(step)),
+                        "update_norm": float(update_norm),
                         "val_loss": evaluator.loss(params) if evaluator is not None else None})
     eps = epsilon(cfg)
     report = {"rounds": history, "epsilon": eps,

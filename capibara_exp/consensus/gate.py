@@ -32,20 +32,32 @@ class GateConfig:
     max_distance_ratio: float | None = 4.0
     min_pass_fraction: float = 0.5      # consensus: this share of candidates must pass
 
+    def loss_checks(self) -> list[str]:
+        """The settings that need validation batches (key=value), [] if none does."""
+        return [f"{k}={getattr(self, k)}" for k in ("max_val_loss", "max_val_loss_ratio")
+                if getattr(self, k) is not None]
+
+
+VERIFIED, UNVERIFIED = "verified", "unverified"
+
 
 @dataclasses.dataclass
 class GateResult:
     accepted: list[Candidate]
     rejected: dict[str, str]
-    val_loss: dict[str, float]
+    val_loss: dict[str, float]          # on the selection batches (what the gate and solvers see)
     index: dict[LeafPath, LeafInfo]
+    integrity: dict[str, str]           # VERIFIED (manifest matched) or UNVERIFIED (no manifest)
+    held_out_loss: dict[str, float]     # on the report batches, never used to choose
 
 
-def _integrity(c: Candidate, require_manifest: bool) -> str | None:
+def _integrity(c: Candidate, require_manifest: bool) -> tuple[str, str | None]:
+    """(VERIFIED or UNVERIFIED, the reason to reject or None)."""
     problems = checkpoints.verify_manifest(c.step_dir)
     if problems is None:
-        return "no checksum manifest (integrity unverified)" if require_manifest else None
-    return "integrity: " + "; ".join(problems[:3]) if problems else None
+        return UNVERIFIED, ("no checksum manifest, integrity unverified (require_manifest=false "
+                            "merges it, marked unverified)" if require_manifest else None)
+    return VERIFIED, ("integrity: " + "; ".join(problems[:3]) if problems else None)
 
 
 def _signature(index: dict[LeafPath, LeafInfo]) -> tuple:
@@ -77,12 +89,20 @@ def _non_finite(reader: LeafReader, c: Candidate, index: dict, params: dict) -> 
 
 
 def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
-             cfg: GateConfig) -> GateResult:
-    """Check integrity, structure, finiteness and validation loss; enforce the consensus."""
+             cfg: GateConfig, report_evaluator: Any = None) -> GateResult:
+    """Check integrity, structure, finiteness and validation loss; enforce the consensus.
+
+    `evaluator` scores the candidates on the selection batches (the loss checks use it);
+    `report_evaluator`, when given, scores them on held-out batches for the report only.
+    """
+    if cfg.loss_checks() and evaluator is None:
+        raise ValueError(f"gate {', '.join(cfg.loss_checks())} needs validation batches "
+                         "(an evaluator); set it to null to gate without them")
     rejected: dict[str, str] = {}
     indexes: dict[str, dict] = {}
+    integrity: dict[str, str] = {}
     for c in candidates:
-        reason = _integrity(c, cfg.require_manifest)
+        integrity[c.name], reason = _integrity(c, cfg.require_manifest)
         if reason is None:
             try:
                 indexes[c.name] = leaf_index(c)
@@ -95,12 +115,15 @@ def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
     common, _ = Counter(_signature(i) for i in indexes.values()).most_common(1)[0]
     reference = next(i for i in indexes.values() if _signature(i) == common)
     val_loss: dict[str, float] = {}
+    held_out: dict[str, float] = {}
     for c in candidates:
         if c.name in rejected:
             continue
         if _signature(indexes[c.name]) != common:
             rejected[c.name] = _structure_diff(indexes[c.name], reference)
             continue
+        if not (cfg.check_finite or evaluator or report_evaluator):
+            continue  # nothing to look at: no read-through (a damaged store fails the merge)
         try:
             params = reader.read_subtree(c, reference, TARGET)
             reason = _non_finite(reader, c, reference, params) if cfg.check_finite else None
@@ -109,6 +132,8 @@ def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
             params = None
         if params is not None and evaluator is not None:
             val_loss[c.name] = evaluator.loss(params)
+        if params is not None and report_evaluator is not None:
+            held_out[c.name] = report_evaluator.loss(params)
         if reason:
             rejected[c.name] = reason
     _loss_thresholds(val_loss, rejected, cfg)
@@ -118,7 +143,7 @@ def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
     accepted = [c for c in candidates if c.name not in rejected]
     if len(accepted) < cfg.min_pass_fraction * len(candidates) or not accepted:
         _fail(candidates, rejected, cfg)
-    return GateResult(accepted, rejected, val_loss, reference)
+    return GateResult(accepted, rejected, val_loss, reference, integrity, held_out)
 
 
 def _loss_thresholds(val_loss: dict[str, float], rejected: dict[str, str], cfg: GateConfig) -> None:

@@ -45,6 +45,17 @@ class MergeSpec:
                              f"{', '.join(METHODS)})")
         if self.num_byzantine < 0:
             raise ValueError(f"num_byzantine must be >= 0, got {self.num_byzantine}")
+        if self.method == "ties" and not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density: ties keeps a share in (0, 1], got {self.density}")
+
+
+NEEDS_VALIDATION = ("greedy_soup", "learned")
+
+
+def evaluation_needs(spec: MergeSpec, gate: GateConfig) -> list[str]:
+    """The settings (key=value) that need validation batches; [] when none does."""
+    return ([f"method={spec.method}"] if spec.method in NEEDS_VALIDATION else []) + [
+        f"gate.{check}" for check in gate.loss_checks()]
 
 
 def _gram(candidates, reader, index) -> np.ndarray:
@@ -55,12 +66,28 @@ def _gram(candidates, reader, index) -> np.ndarray:
     return gram
 
 
+def _task_vectors(gate: GateResult, base_reader: tuple):
+    """A callable yielding, leaf by leaf, the accepted candidates' float task vectors."""
+    reader, base, base_index = base_reader
+
+    def leaves():
+        for p, info in gate.index.items():
+            if p[:1] == ("target",) and np.issubdtype(info.dtype, np.floating):
+                b = np.asarray(reader.read(base, p, base_index[p]), np.float32)
+                yield [np.asarray(reader.read(c, p, info), np.float32) - b for c in gate.accepted]
+    return leaves
+
+
 def solve(spec: MergeSpec, gate: GateResult, reader: LeafReader, evaluator: Any,
-          names: Sequence[str]) -> dict:
+          names: Sequence[str], base_reader: tuple | None = None) -> dict:
     """Weights over the accepted candidates (per layer too for `learned`) and solver details;
-    {} for the per-leaf methods. `names`: every candidate, in the order weights are given."""
+    for the per-leaf methods {}, or TIES's per-candidate trim thresholds. `names`: every
+    candidate, in the order weights are given."""
     cands, n = gate.accepted, len(gate.accepted)
     m = spec.method
+    if m == "ties":  # two streaming passes over the task vectors, before the merge pass
+        return {"ties_thresholds": methods.ties_thresholds(_task_vectors(gate, base_reader),
+                                                           spec.density)}
     if m == "uniform":
         return {"weights": methods.uniform_weights(n)}
     if m == "weighted":
@@ -91,20 +118,23 @@ def solve(spec: MergeSpec, gate: GateResult, reader: LeafReader, evaluator: Any,
 
 
 def _leaf_fn(spec: MergeSpec, solved: dict, base_reader: tuple | None):
+    """fn(path, leaves) -> merged leaf; the leaves are fresh reads it may overwrite."""
     m = spec.method
     if m == "median":
-        return lambda path, leaves: methods.median(leaves)
+        return lambda path, leaves: methods.median(leaves, overwrite_input=True)
     if m == "trimmed_mean":
-        return lambda path, leaves: methods.trimmed_mean(leaves, spec.num_byzantine)
+        return lambda path, leaves: methods.trimmed_mean(leaves, spec.num_byzantine,
+                                                         overwrite_input=True)
     if m in ("task_arithmetic", "ties"):
         reader, base, index = base_reader
 
         def with_base(path, leaves):
             if path[:1] != ("target",):  # optimizer state and step: mean / max
-                return methods.weighted_mean(leaves, methods.uniform_weights(len(leaves)))
+                return methods.weighted_mean(leaves, methods.uniform_weights(len(leaves)),
+                                             overwrite_input=True)
             b = reader.read(base, path, index[path])
             if m == "ties":
-                return methods.ties(leaves, b, spec.density, spec.scale)
+                return methods.ties(leaves, b, solved["ties_thresholds"], spec.scale)
             return methods.task_arithmetic(leaves, b, spec.scale)
         return with_base
     raise AssertionError(f"{m}: a weight method reached the per-leaf dispatch")
@@ -119,33 +149,40 @@ def _leaf_weights(solved: dict, path: tuple) -> np.ndarray | None:
 
 
 def _merge_leaves(gate: GateResult, solved: dict, fn: Any, reader: LeafReader) -> dict:
-    """The streaming pass: one leaf of each candidate at a time."""
+    """The streaming pass: one leaf of each candidate at a time. The leaves are fresh
+    reads this pass owns, so the aggregators write into the first one's buffer."""
     flat = {}
     for path, info in gate.index.items():
         w = _leaf_weights(solved, path)
         if w is None:
-            flat[path] = fn(path, [reader.read(c, path, info) for c in gate.accepted])
+            flat[path] = fn(path, reader.read_many(gate.accepted, path, info))
             continue
         keep = np.flatnonzero(np.asarray(w))  # zero-weight candidates are never read
-        flat[path] = methods.weighted_mean([reader.read(gate.accepted[i], path, info)
-                                            for i in keep], np.asarray(w)[keep])
+        flat[path] = methods.weighted_mean(
+            reader.read_many([gate.accepted[i] for i in keep], path, info), np.asarray(w)[keep],
+            overwrite_input=True)
     return flat
 
 
 def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
-          evaluator: Any = None, gate_cfg: GateConfig = GateConfig(),
-          base: Candidate | None = None, mesh: Any = None) -> dict:
-    """Merge candidates into out_dir/checkpoint_<step>; write merge_report.json and the plot."""
+          evaluator: Any = None, gate_cfg: GateConfig | None = None,
+          base: Candidate | None = None, mesh: Any = None, report_evaluator: Any = None) -> dict:
+    """Merge candidates into out_dir/checkpoint_<step>; write merge_report.json and the plot.
+
+    `evaluator` holds the selection batches (gate, greedy soup, learned weights);
+    `report_evaluator` held-out batches that only the report sees. Without either, the
+    merge runs when nothing needs validation (`evaluation_needs`) and reports no loss.
+    """
     t0 = time.perf_counter()
+    gate_cfg = gate_cfg or GateConfig()
     out_dir = Path(out_dir).absolute()
     if spec.method in ("task_arithmetic", "ties") and base is None:
         raise ValueError(f"method={spec.method} needs a base checkpoint (base=...)")
-    needs_eval = spec.method in ("greedy_soup", "learned")
-    if needs_eval and evaluator is None:
-        raise ValueError(f"method={spec.method} needs validation batches (an evaluator)")
+    needs = evaluation_needs(spec, gate_cfg)
+    if needs and evaluator is None:
+        raise ValueError(f"{', '.join(needs)} need validation batches (an evaluator)")
     with LeafReader(mesh) as reader:
-        gate = run_gate(list(candidates), reader, evaluator, gate_cfg)
-        solved = solve(spec, gate, reader, evaluator, [c.name for c in candidates])
+        gate = run_gate(list(candidates), reader, evaluator, gate_cfg, report_evaluator)
         base_reader = None
         if base is not None:
             base_index = leaf_index(base)
@@ -153,13 +190,17 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
             if bad:
                 raise ValueError(f"base {base.step_dir}: no leaf {'.'.join(bad[0])}")
             base_reader = (reader, base, base_index)
+        solved = solve(spec, gate, reader, evaluator, [c.name for c in candidates], base_reader)
         fn = None if "weights" in solved else _leaf_fn(spec, solved, base_reader)
         flat = _merge_leaves(gate, solved, fn, reader)
         step = max(c.step for c in gate.accepted)
-        merged_loss = evaluator.loss(unflatten({p[1:]: v for p, v in flat.items()
-                                                if p[:1] == ("target",)})) if evaluator else None
+        params = unflatten({p[1:]: v for p, v in flat.items() if p[:1] == ("target",)})
+        merged_loss = evaluator.loss(params) if evaluator else None
+        merged_held_out = report_evaluator.loss(params) if report_evaluator else None
+        del params
         ckpt = write(out_dir, step, flat)
-    rep = report.build(candidates, spec, gate, solved, merged_loss, ckpt, time.perf_counter() - t0)
+    rep = report.build(candidates, spec, gate, solved, (merged_loss, merged_held_out), ckpt,
+                       time.perf_counter() - t0)
     (out_dir / REPORT).write_text(json.dumps(rep, indent=1))
     if evaluator is not None:
         report.plot(rep, out_dir / PLOT)

@@ -2,8 +2,8 @@
 
 A merge never holds every candidate in memory: it walks the leaves of the tree (names,
 shapes and partition specs from Orbax's metadata) and, for each, reads that leaf of each
-candidate from the OCDBT store with TensorStore, placed with the sharding it was saved
-with when this process has the devices for it.
+candidate from the OCDBT store with TensorStore: into host memory, or, given a device
+mesh, placed with the sharding it was saved with.
 """
 
 from __future__ import annotations
@@ -123,16 +123,33 @@ class LeafReader:
                 errors.append(str(err).split("[tensorstore_spec")[0])
         raise ValueError(f"{candidate.state_dir}: leaf {'.'.join(path)}: {' / '.join(errors)}")
 
-    def read(self, candidate: Candidate, path: LeafPath, info: LeafInfo) -> jax.Array:
+    def read(self, candidate: Candidate, path: LeafPath, info: LeafInfo) -> np.ndarray | jax.Array:
+        """One leaf: a fresh host array the caller owns (no mesh), or a jax.Array placed
+        with its saved partition spec on the mesh, each device reading only its slice."""
         store = self._open(candidate, path)
         if tuple(store.shape) != info.shape:
             raise ValueError(f"{candidate.state_dir}: leaf {'.'.join(path)} has shape "
                              f"{tuple(store.shape)}, its metadata says {info.shape}")
+        if self.mesh is None:  # merging runs on the host: no device round trip
+            return np.asarray(store.read().result()).astype(info.dtype, copy=False)
         sharding = sharding_for(info, self.mesh)
         by_device = sharding.addressable_devices_indices_map(info.shape)
         arrays = [jax.device_put(store[index].read().result().astype(info.dtype, copy=False),
                                  device) for device, index in by_device.items()]
         return jax.make_array_from_single_device_arrays(info.shape, sharding, arrays)
+
+    def read_many(self, candidates: list[Candidate], path: LeafPath, info: LeafInfo) -> list:
+        """The same leaf of several candidates. On the host every read is issued before any
+        is awaited, so TensorStore decodes them (zstd, Orbax's default) on all its threads."""
+        if self.mesh is not None:
+            return [self.read(c, path, info) for c in candidates]
+        stores = [self._open(c, path) for c in candidates]
+        for c, store in zip(candidates, stores, strict=True):
+            if tuple(store.shape) != info.shape:
+                raise ValueError(f"{c.state_dir}: leaf {'.'.join(path)} has shape "
+                                 f"{tuple(store.shape)}, its metadata says {info.shape}")
+        futures = [store.read() for store in stores]
+        return [np.asarray(f.result()).astype(info.dtype, copy=False) for f in futures]
 
     def read_subtree(self, candidate: Candidate, index: dict[LeafPath, LeafInfo],
                      prefix: LeafPath) -> dict:
