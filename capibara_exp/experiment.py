@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp import gin_bridge
 from capibara_exp.gin_bridge import ConfigError
@@ -40,6 +40,53 @@ def title(choices: dict[str, str | None]) -> str:
     picked = " ".join(f"{g}={c}" for g, c in sorted(choices.items())
                       if c and not g.startswith("hydra"))
     return f"From: capibara-exp {picked}"
+
+
+def option_file(group: str, choice: str, search_dirs: list[Path]) -> Path | None:
+    """The YAML file a config group's choice comes from (first in Hydra's search path)."""
+    for root in search_dirs:
+        path = Path(root) / group / f"{choice}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def check_keys(cfg: DictConfig, choices: dict[str, str | None], search_dirs: list[Path]) -> None:
+    """Keys that YAML files or `+key=` add where no schema has them are errors, as unknown
+    keys in the gin-facing groups are (the bridge checks those against the templates).
+
+    The schema is what composes by default: the root keys of conf/config.yaml and one per
+    config group chosen (the sweeper's, consensus and others add their own), and for the
+    engine the keys of its conf/engine/ file. A key whose file value is a list or mapping
+    must not arrive as a plain string (`model.mlp_activations='[gelu'`)."""
+    primary = option_file(".", "config", search_dirs) or CONF_DIR / "config.yaml"
+    schemas = {"": (OmegaConf.load(primary), primary)}
+    for group in ("engine", *gin_bridge.GIN_GROUPS, *gin_bridge.OPTIONAL_GROUPS):
+        path = choices.get(group) and option_file(group, choices[group], search_dirs)
+        if path and OmegaConf.is_dict(cfg.get(group)):
+            schemas[group] = (OmegaConf.load(path), path)
+    setters = [str(f) for g in ("experiment", "debug")
+               if choices.get(g) and (f := option_file(g, choices[g], search_dirs))]
+    setters = " or ".join([*setters, "the command line"])
+    allowed = {*schemas[""][0], *(g.split("/")[0] for g in choices), "hydra"} - {"defaults"}
+    unknown = [k for k in cfg if k not in allowed]
+    if unknown:
+        raise ConfigError(f"unknown key '{unknown[0]}' at the root: neither {primary} nor a "
+                          f"config group has it (set by {setters})")
+    if "engine" in schemas:
+        schema, path = schemas["engine"]
+        unknown = [k for k in cfg.engine if k not in schema]
+        if unknown:
+            raise ConfigError(f"unknown key 'engine.{unknown[0]}': {path} has no such key "
+                              f"(set by {setters})")
+    for group, (schema, path) in schemas.items():
+        node = cfg[group] if group else cfg
+        for key in schema:
+            if OmegaConf.is_config(schema[key]) and key in node and isinstance(node[key], str):
+                name = f"{group}.{key}" if group else key
+                kind = "a list, e.g. [a,b]" if OmegaConf.is_list(schema[key]) else "a mapping"
+                raise ConfigError(f"{name}: expected {kind} (as in {path}), got the string "
+                                  f"{node[key]!r}")
 
 
 def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
@@ -79,11 +126,15 @@ def run(cfg: DictConfig) -> dict | None:
     """The task function behind `capibara-exp`: the final train_eval metrics (local engine)."""
     from hydra.core.hydra_config import HydraConfig
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines (seqio)
+    # TensorFlow (under seqio) reads this once, at import: its C++ info and warning lines
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    choices = dict(hc.runtime.choices)
+    check_keys(cfg, choices, [Path(s.path) for s in hc.runtime.config_sources
+                              if s.schema == "file"])
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)
-    path = write_gin(cfg, run_dir, dict(hc.runtime.choices), lambda: prepare_data(cfg))
+    path = write_gin(cfg, run_dir, choices, lambda: prepare_data(cfg))
     print(f"capibara-exp: run dir {run_dir}", file=sys.stderr)
     engine = cfg.engine.name
     metrics = None
@@ -96,7 +147,7 @@ def run(cfg: DictConfig) -> dict | None:
         _copy_operative_config(Path(cfg.model_dir), run_dir)
         metrics = last_metrics(Path(cfg.model_dir), "train_eval")
     elif engine == "t5x":
-        run_t5x(cfg, path)
+        run_t5x(cfg, path, Path(cfg.model_dir), run_dir)
     else:
         raise ConfigError(f"engine.name: unknown engine '{engine}'")
     print(f"capibara-exp: done; run dir {run_dir}", file=sys.stderr)
@@ -137,10 +188,26 @@ def t5x_command(cfg: DictConfig, gin_path: Path) -> list[str]:
             *list(cfg.engine.extra_flags)]
 
 
-def run_t5x(cfg: DictConfig, gin_path: Path) -> None:
+def run_t5x(cfg: DictConfig, gin_path: Path, model_dir: Path, run_dir: Path) -> None:
     """Launch real T5X on the rendered gin, or explain how to install it."""
     if importlib.util.find_spec("t5x") is None:
         raise ConfigError(T5X_INSTALL_HINT)
-    result = subprocess.run(t5x_command(cfg, gin_path), check=False)
+    rendered = gin_path.read_text()
+    try:
+        result = subprocess.run(t5x_command(cfg, gin_path), check=False)
+    finally:
+        keep_rendered_config(gin_path, rendered, model_dir, run_dir)
     if result.returncode:
         raise ConfigError(f"t5x.train exited with status {result.returncode}; see its log above")
+
+
+def keep_rendered_config(gin_path: Path, rendered: str, model_dir: Path, run_dir: Path) -> None:
+    """T5X writes its operative config to MODEL_DIR/config.gin: keep it as the run dir's
+    operative_config.gin, and config.gin the rendered file that ran."""
+    from capibara_exp.runtime.gin_utils import OPERATIVE_CONFIG
+
+    written = model_dir / CONFIG_GIN
+    if written.is_file() and written.read_text() != rendered:
+        (run_dir / OPERATIVE_CONFIG).write_text(written.read_text())
+    if not gin_path.is_file() or gin_path.read_text() != rendered:
+        gin_path.write_text(rendered)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -10,8 +11,16 @@ import numpy as np
 import pytest
 
 from capibara_exp import experiment
-from capibara_exp.runtime import checkpoints, gin_utils
+from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.runtime import checkpoints, gin_utils, train_script
+from capibara_exp.runtime.config import (
+    DatasetConfig,
+    RestoreCheckpointConfig,
+    SaveCheckpointConfig,
+)
+from capibara_exp.runtime.metrics import Progress
 from capibara_exp.runtime.train_script import TrainingDiverged
+from capibara_exp.runtime.trainer import BaseAction
 from tests.conftest import compose_config
 
 TINY = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp_dim=64",
@@ -98,10 +107,12 @@ def test_damaged_checkpoint_is_an_error_naming_it(tmp_path: Path, data_dir) -> N
 
 
 @pytest.mark.slow
-def test_only_the_last_n_checkpoints_are_kept(tmp_path: Path, data_dir) -> None:
+def test_checkpoint_steps_add_saves_and_only_the_last_n_are_kept(tmp_path: Path, data_dir) -> None:
+    # T5X's checkpoint_steps: step 3 is saved although the period is 2 (saves: 2, 3, 4, 6).
     train(tmp_path, "trainer.train_steps=6", "trainer.eval_period=2",
-          "checkpoint.checkpoint_period=2", "checkpoint.checkpoints_to_keep=2")
-    assert checkpoints.steps(tmp_path) == [4, 6]
+          "checkpoint.checkpoint_period=2", "checkpoint.checkpoints_to_keep=3",
+          "gin_bindings=['utils.SaveCheckpointConfig.checkpoint_steps = [3]']")
+    assert checkpoints.steps(tmp_path) == [3, 4, 6]
 
 
 def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir) -> None:
@@ -121,26 +132,118 @@ def test_periods_follow_t5x_rules() -> None:
         _periods_check(100, eval_period=3, save_period=2)
 
 
+class Record(BaseAction):
+    """An action that writes down when it ran and with which metrics."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, dict]] = []
+
+    def run(self, train_state, metrics_by_task) -> bool:
+        self.calls.append((int(train_state.step), dict(metrics_by_task)))
+        return False
+
+
 def test_gin_bound_actions_and_a_callers_actions_both_run(tmp_path: Path, data_dir) -> None:
-    """A sweep trial's pruning action joins the actions config.gin binds (here early stopping)."""
-    from capibara_exp.runtime.trainer import BaseAction
-
-    class Record(BaseAction):
-        steps: list[int] = []
-
-        def run(self, train_state, metrics_by_task) -> bool:
-            self.steps.append(int(train_state.step))
-            return False
-
-    # mode=max on a falling loss: the bound EarlyStoppingAction stops after one bad eval.
+    """A sweep trial's pruning action joins the actions config.gin binds (here early stopping);
+    T5X's run_eval_before_training evaluates (and runs TRAIN_EVAL actions) at the start step,
+    and TRAIN actions get each train report when metrics are not concurrent."""
+    # mode=max on a falling loss: the bound EarlyStoppingAction stops after three evaluations
+    # without improvement (before training, after step 1, after step 2).
     cfg = compose_config([f"model_dir={tmp_path}", *TINY, "early_stopping=default",
                           "early_stopping.early_stopping_mode=max",
-                          "early_stopping.early_stopping_patience=1", "trainer.train_steps=6",
-                          "trainer.eval_period=1", "checkpoint.checkpoint_period=6"])
+                          "early_stopping.early_stopping_patience=3", "trainer.train_steps=6",
+                          "trainer.eval_period=1", "checkpoint.checkpoint_period=6",
+                          "gin_bindings=['train_script.train.run_eval_before_training = True', "
+                          "'train_script.train.concurrent_metrics = False']"])
     path = experiment.write_gin(cfg, tmp_path, {})
-    step, _ = gin_utils.run_train(path, actions={"TRAIN_EVAL": [Record()]})
-    assert Record.steps == list(range(1, step + 1))  # the caller's action ran at every eval
-    assert step < 6  # and the bound one stopped the run
+    on_eval, on_train = Record(), Record()
+    step, _ = gin_utils.run_train(path, actions={"TRAIN_EVAL": [on_eval], "TRAIN": [on_train]})
+    assert step == 2  # the bound action stopped the run
+    assert [s for s, _ in on_eval.calls] == [0, 1, 2]  # the caller's ran at every evaluation
+    assert all(list(m) == ["capibara_bytes_lm"] for _, m in on_eval.calls)
+    # step 1's report is the compile step's, left out of the timings: the first is step 2's
+    assert [s for s, _ in on_train.calls] == [2]
+    assert list(on_train.calls[0][1]) == ["train"] and "loss" in on_train.calls[0][1]["train"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train_eval"] == [0, 1, 2]
+
+
+_UNSUPPORTED = [
+    ("utils.SaveCheckpointConfig.keep_dataset_checkpoints = 2",
+     "keep_dataset_checkpoints=2 is a T5X parameter the local engine does not support"),
+    ("utils.SaveCheckpointConfig.checkpoint_steps = [0, 5]",
+     "checkpoint_steps must be a list of positive step numbers, got [0, 5]"),
+    ("utils.RestoreCheckpointConfig.strict = False",
+     "strict=False is not supported by the local engine, which always restores every optimizer"),
+    ("utils.RestoreCheckpointConfig.restore_dataset = True",
+     "restore_dataset=True is a T5X parameter the local engine does not support"),
+    ("utils.RestoreCheckpointConfig.fallback_to_scratch = True",
+     "fallback_to_scratch=True is a T5X parameter the local engine does not support"),
+    ("train/utils.DatasetConfig.use_memory_cache = False",
+     "use_memory_cache=False is not supported by the local engine, which always keeps"),
+    ("train_script.train.use_orbax = False",
+     "use_orbax=False is not supported by the local engine, which always checkpoints with Orbax"),
+    ("train_script.train.gc_period = 100",
+     "gc_period=100 is not supported by the local engine"),
+    ("train_script.train.actions = {'EVAL': []}", "modes ['EVAL'] are not T5X's action modes"),
+]
+
+
+@pytest.mark.parametrize("binding, message", _UNSUPPORTED)
+def test_unsupported_t5x_parameters_are_errors_naming_the_binding(binding: str, message: str,
+                                                                  tmp_path: Path) -> None:
+    """Raised while gin builds the configs or as train starts: nothing trains."""
+    cfg = compose_config([f"model_dir={tmp_path}", *TINY, f"gin_bindings=[\"{binding}\"]"])
+    path = experiment.write_gin(cfg, tmp_path, {})
+    key = binding.split(" =")[0]
+    with pytest.raises(ConfigError, match=rf"config.gin:\d+ \(from gin_bindings\[0\], "
+                                          rf"{re.escape(key)}\): .*{re.escape(message)}"):
+        gin_utils.run_train(path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, actions, message", [
+    (["model.num_heads=0"], None,
+     r"config.gin:\d+ \(from conf key model.num_heads\): DecoderConfig.num_heads must be "
+     r"positive, got 0 \(in DecoderConfig"),
+    (["trainer.num_microbatches=3"], None,
+     r"\(from conf key trainer.num_microbatches\): batch size 4 does not divide by"),
+    ([], {"INFER_EVAL": [Record()]}, r"actions\['INFER_EVAL'\] would never run"),
+    ([], {"TRAIN": [Record()]}, r"actions\['TRAIN'\] needs train_script.train."
+                                r"concurrent_metrics = False"),
+])
+def test_config_mistakes_found_when_gin_builds_objects_are_one_line_errors(
+        overrides: list[str], actions: dict | None, message: str, tmp_path: Path) -> None:
+    cfg = compose_config([f"model_dir={tmp_path}", *TINY, *overrides])
+    path = experiment.write_gin(cfg, tmp_path, {})
+    with pytest.raises(ConfigError, match=message) as err:
+        gin_utils.run_train(path, actions=actions)
+    assert "\n" not in str(err.value)
+
+
+def test_t5x_defaults_and_implemented_values_are_accepted() -> None:
+    assert SaveCheckpointConfig(period=2, checkpoint_steps=[3, 5]).checkpoint_steps == [3, 5]
+    restore = RestoreCheckpointConfig(path="/x", strict=True, fallback_to_scratch=False,
+                                      restore_dataset=False)
+    assert restore.paths == ["/x"]
+    data = DatasetConfig("task", {"targets": 8}, "train", 2, True, None, use_memory_cache=True)
+    assert data.use_memory_cache
+    action = Record()
+    assert train_script._check_actions(None, concurrent_metrics=True) == {}
+    assert train_script._check_actions({"TRAIN": [action], "INFER_EVAL": []},
+                                       concurrent_metrics=False)["TRAIN"] == [action]
+
+
+def test_restore_latest_starts_from_scratch_without_checkpoints_as_t5x(tmp_path: Path) -> None:
+    state, progress = object(), Progress(1)
+    assert train_script._restore(state, RestoreCheckpointConfig(path=str(tmp_path)), str(tmp_path),
+                                 progress) == (state, 0)
+    with pytest.raises(ValueError, match="is not a directory"):
+        train_script._restore(state, RestoreCheckpointConfig(path=str(tmp_path / "nope")),
+                              str(tmp_path), progress)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        train_script._restore(state, RestoreCheckpointConfig(
+            path=str(tmp_path / "weights"), mode="specific"), str(tmp_path), progress)
 
 
 def test_the_progress_line_shows_the_data_wait_share() -> None:

@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import gin
-from gin import config_parser
-
 from capibara_exp.gin_bridge import BINDING_MARK, ConfigError
+from gin import config_parser
 
 OPERATIVE_CONFIG = "operative_config.gin"
 _TEMPLATE_MARK_RE = re.compile(r"^# ===== (gin/\S+|values from conf/|gin_bindings)")
 _BINDING_MARK_RE = re.compile(rf"^{re.escape(BINDING_MARK)}(\d+)\]: (\S+)$")
 _LINE_RE = re.compile(r"line (\d+)")
 # gin appends this to an exception raised inside a configurable (innermost call first).
-_IN_CALL_RE = re.compile(r"\n\s*In call to configurable '([^']+)' \(([^\n]*)\)(?: in scope '([^']*)')?")
+_IN_CALL_RE = re.compile(
+    r"\n\s*In call to configurable '([^']+)' \(([^\n]*)\)(?: in scope '([^']*)')?")
 _PARAM_RE = re.compile(r"\b(?:[A-Za-z_][\w/]*\.)+[a-z_]\w*\b")
 
 
