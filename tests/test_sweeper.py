@@ -352,6 +352,22 @@ def test_a_dead_machines_trial_is_failed_once_its_heartbeat_is_stale(tmp_path: P
     assert s.trials[0].user_attrs[study.ERROR] == study.STALE
 
 
+def test_a_trial_failed_by_another_worker_while_it_ran_stays_failed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = settings(n_trials=2, storage=str(tmp_path / "s.journal"))
+
+    def job(overrides, number):
+        if number == 0:  # what a worker that found this trial's heartbeat stale does
+            other = study.open_study(cfg, cfg.storage, study.search_space(cfg, ()))
+            trial_id = other._storage.get_trial_id_from_study_id_trial_number(other._study_id, 0)
+            other._storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        return quadratic(overrides, number)
+
+    s = study.run(cfg, job, tmp_path)  # no error telling a finished trial: the sweep goes on
+    assert [t.state for t in s.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert "trial 0 was failed by another worker while it ran" in caplog.text
+
+
 def test_heartbeats_are_on_where_other_machines_may_run_trials() -> None:
     assert study.heartbeat_interval(settings(), "postgresql://u@h/optuna") == study.HEARTBEAT_S
     assert study.heartbeat_interval(settings(), "sqlite:///x.db") is None  # the pid check

@@ -408,15 +408,20 @@ def trial_override(url: str, settings: SweepSettings, number: int) -> str:
 
 def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrides: list[str],
                metrics: Sequence[str]) -> None:
+    error = values = None
     try:
-        result = launch(overrides, trial.number)
-        values = values_of(result, metrics)
+        values = values_of(launch(overrides, trial.number), metrics)
     except Exception as err:  # a failing job is a FAIL trial, never the end of the sweep
-        trial.set_user_attr(ERROR, f"{type(err).__name__}: {err}"[:2000])
-        study.tell(trial, state=TrialState.FAIL)
-        return
+        error = f"{type(err).__name__}: {err}"[:2000]
     frozen = study._storage.get_trial(trial._trial_id)
-    if PRUNED_AT in frozen.user_attrs:
+    if frozen.state.is_finished():  # another worker failed it: its heartbeat came too late
+        log.warning("trial %d was failed by another worker while it ran (%s); its result is "
+                    "dropped: raise hydra.sweeper.grace_period if heartbeats can be that late",
+                    trial.number, frozen.user_attrs.get(ERROR, "no reason recorded"))
+    elif error is not None:
+        trial.set_user_attr(ERROR, error)
+        study.tell(trial, state=TrialState.FAIL)
+    elif PRUNED_AT in frozen.user_attrs:
         study.tell(trial, state=TrialState.PRUNED)
     elif not all(math.isfinite(v) for v in values):
         trial.set_user_attr(ERROR, f"non-finite objective {values}")
