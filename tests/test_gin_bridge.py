@@ -8,11 +8,11 @@ import os
 import tomllib
 from pathlib import Path
 
-import gin
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gin
 from capibara_exp import gin_bridge
 from capibara_exp.gin_bridge import ConfigError, GinReference, to_gin_literal
 from capibara_exp.paths import GIN_DIR
@@ -163,7 +163,8 @@ def test_installed_package_ships_every_config_file(top: str, suffixes: tuple[str
     assert files
     shipped = {Path(f).as_posix() for g in globs[top]
                for f in glob.glob(g, root_dir=REPO / top, recursive=True)}
-    assert not files - shipped, f"pyproject.toml package-data for {top}/ misses {sorted(files - shipped)}"
+    missed = sorted(files - shipped)
+    assert not missed, f"pyproject.toml package-data for {top}/ misses {missed}"
 
 
 def test_scoped_bindings_and_references_resolve(tmp_path: Path) -> None:
