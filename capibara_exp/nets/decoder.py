@@ -55,6 +55,10 @@ class DecoderConfig:
     rope_max_wavelength: float = 10_000.0
     logits_via_embedding: bool = False
     remat_policy: str = "none"
+    # One nn.scan over blocks of layers instead of num_layers copies: parameters stacked on
+    # a leading 'layers' axis (decoder/layers/layers_<j>/...), compile time independent of
+    # depth. A block is one layer, or moe_layer_interval layers for nets.MoeDecoder.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))  # gin/YAML lists
@@ -314,14 +318,58 @@ def remat_layer(layer_cls: type[nn.Module], policy: str) -> type[nn.Module]:
     return nn.remat(layer_cls, policy=_REMAT[policy], prevent_cse=True, static_argnums=(5,))
 
 
+# A layer class and its extra constructor arguments (hashable: module attributes).
+LayerSpec = tuple[type[nn.Module], tuple[tuple[str, object], ...]]
+
+
+class LayerBlock(nn.Module):
+    """Consecutive layers, the unit `scan_layers` repeats; returns (x, None) for nn.scan."""
+
+    config: DecoderConfig
+    layers: tuple[LayerSpec, ...]
+    enable_dropout: bool
+
+    @nn.compact
+    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL):
+        for j, (cls, kwargs) in enumerate(self.layers):
+            x_BxLxD = cls(self.config, **dict(kwargs), name=f"layers_{j}")(
+                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, self.enable_dropout
+            )
+        return x_BxLxD, None
+
+
 class Decoder(nn.Module):
     """The network: tokens in, float32 logits [batch, length, vocab] out."""
 
     config: DecoderConfig
 
-    def layer(self, i: int) -> nn.Module:
-        """Layer i (a hook: nets.MoeDecoder makes some layers sparse)."""
-        return remat_layer(DecoderLayer, self.config.remat_policy)(self.config, name=f"layers_{i}")
+    def layer_spec(self, i: int) -> LayerSpec:
+        """Layer i's class (a hook: nets.MoeDecoder makes some layers sparse)."""
+        return remat_layer(DecoderLayer, self.config.remat_policy), ()
+
+    def block_size(self) -> int:
+        """Layers per scanned block (the period of layer_spec)."""
+        return 1
+
+    def scanned_layers(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
+                       enable_dropout):
+        c, size = self.config, self.block_size()
+        if c.num_layers % size:
+            raise ValueError(f"DecoderConfig.scan_layers: num_layers={c.num_layers} is not a "
+                             f"multiple of the scanned block of {size} layers")
+        scanned = nn_partitioning.scan_with_axes(
+            LayerBlock,
+            variable_axes={"params": 0, "intermediates": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers // size,
+            axis_name="layers",
+        )
+        block = tuple(self.layer_spec(j) for j in range(size))
+        x_BxLxD, _ = scanned(c, block, enable_dropout, name="layers")(
+            x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL
+        )
+        return x_BxLxD
 
     @nn.compact
     def __call__(
@@ -365,10 +413,16 @@ class Decoder(nn.Module):
             embedder(decoder_input_tokens).astype(dtype), ("batch", "length", "embed")
         )
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
-        for i in range(c.num_layers):
-            x_BxLxD = self.layer(i)(
+        if c.scan_layers:
+            x_BxLxD = self.scanned_layers(
                 x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
             )
+        else:
+            for i in range(c.num_layers):
+                cls, kwargs = self.layer_spec(i)
+                x_BxLxD = cls(c, **dict(kwargs), name=f"layers_{i}")(
+                    x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
+                )
         x_BxLxD = RMSNorm(dtype, name="decoder_norm")(x_BxLxD)
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "output_dropout")
 

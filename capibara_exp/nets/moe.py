@@ -28,6 +28,7 @@ from capibara_exp.nets.decoder import (
     DecoderConfig,
     DecoderLayer,
     Dense,
+    LayerSpec,
     constrain,
     param_with_axes,
     remat_layer,
@@ -222,10 +223,13 @@ class MoeDecoder(Decoder):
 
     moe_config: MoeConfig | None = None
 
-    def layer(self, i: int) -> nn.Module:
+    def layer_spec(self, i: int) -> LayerSpec:
         if self.moe_config is None:
             raise ValueError("nets.MoeDecoder.moe_config is required (@nets.MoeConfig())")
         if not self.moe_config.is_sparse(i):
-            return super().layer(i)
-        cls = remat_layer(MoeDecoderLayer, self.config.remat_policy)
-        return cls(self.config, self.moe_config, name=f"layers_{i}")
+            return super().layer_spec(i)
+        return (remat_layer(MoeDecoderLayer, self.config.remat_policy),
+                (("moe", self.moe_config),))
+
+    def block_size(self) -> int:
+        return self.moe_config.moe_layer_interval if self.moe_config else 1
