@@ -97,18 +97,76 @@ def _opt_state_axes(opt_shapes: Any, param_axes: Any) -> Any:
     return jax.tree_util.tree_map_with_path(axes_for, opt_shapes)
 
 
+def _state_and_axes(model: Any, variables: dict, init_opt: Callable[[Any], Any], step: Any
+                    ) -> tuple[TrainState, TrainState]:
+    params = variables["params"]
+    param_axes = unfreeze(nn_partitioning.get_axis_names(variables["params_axes"]))
+    opt_state = init_opt(params)
+    state = TrainState(step=step, params=params, opt_state=opt_state)
+    axes = TrainState(step=PartitionSpec(), params=param_axes,
+                      opt_state=_opt_state_axes(opt_state, param_axes))
+    return state, axes
+
+
 def initial_state(model: Any, rng: jax.Array, batch_size: int, length: int
                   ) -> tuple[TrainState, TrainState]:
     """(state, logical axes of the state) for a model and an input shape."""
     variables = model.get_initial_variables(rng, batch_size, length)
-    params = variables["params"]
-    param_axes = unfreeze(nn_partitioning.get_axis_names(variables["params_axes"]))
-    tx = model.optimizer_def.optax_optimizer
-    opt_state = tx.init(params)
-    state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=opt_state)
-    axes = TrainState(step=PartitionSpec(), params=param_axes,
-                      opt_state=_opt_state_axes(opt_state, param_axes))
-    return state, axes
+    return _state_and_axes(model, variables, model.optimizer_def.optax_optimizer.init,
+                           jnp.asarray(0, jnp.int32))
+
+
+def state_shapes(model: Any, batch_size: int, length: int) -> tuple[TrainState, TrainState]:
+    """initial_state's shapes and dtypes without computing it (for ahead-of-time compiles
+    of models too large for this host)."""
+    variables = jax.eval_shape(
+        lambda rng: model.get_initial_variables(rng, batch_size, length), jax.random.PRNGKey(0))
+    return _state_and_axes(model, variables,
+                           lambda p: jax.eval_shape(model.optimizer_def.optax_optimizer.init, p),
+                           jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def make_trainer(trainer_cls: Callable[..., Trainer], model: Any, partitioner: Any,
+                 state: TrainState, state_axes: TrainState, rng: jax.Array, batch_size: int,
+                 summary_dir: str | None, **features: Any) -> Trainer:
+    """The trainer for a state (arrays or shapes); the local engine's own features (EMA, the
+    skip policy) go to the trainer class only when set, so T5X's classes stay usable."""
+    trainer = trainer_cls(model=model, train_state=state, partitioner=partitioner,
+                          eval_names=[], summary_dir=summary_dir, train_state_axes=state_axes,
+                          rng=rng, **{k: v for k, v in features.items() if v})
+    trainer.check_batch_size(batch_size)
+    return trainer
+
+
+def batch_shapes(dataset_cfg: DatasetConfig, model: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of the batches the input pipeline feeds the train step."""
+    names = ["decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights"]
+    if dataset_cfg.pack:
+        names += ["decoder_segment_ids", "decoder_positions"]
+    label = getattr(model, "router_label_feature", None)
+    if label:
+        names.append(f"decoder_{label}")
+    shape = (dataset_cfg.batch_size, max(dataset_cfg.task_feature_lengths.values()))
+    return {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in names}
+
+
+def lower_train_step(*, model: Any, train_dataset_cfg: DatasetConfig, partitioner: Any,
+                     trainer_cls: Callable[..., Trainer], ema_decay: float | None = None,
+                     skip_nonfinite_updates: bool = False,
+                     max_consecutive_skips: int | None = None, **train_kwargs: Any
+                     ) -> jax.stages.Lowered:
+    """The train step that `train` would run with these arguments (pass it train's gin
+    bindings), lowered for shapes only: nothing is initialised, so a model far larger than
+    this host fits. Compile the result for the partitioner's devices (a TPU topology)."""
+    del train_kwargs  # the rest of train's arguments do not change the step
+    length = max(train_dataset_cfg.task_feature_lengths.values())
+    batch_size = train_dataset_cfg.batch_size
+    state, axes = state_shapes(model, batch_size, length)
+    trainer = make_trainer(trainer_cls, model, partitioner, state, axes, jax.random.PRNGKey(0),
+                           batch_size, None, ema_decay=ema_decay,
+                           skip_nonfinite_updates=skip_nonfinite_updates,
+                           max_consecutive_skips=max_consecutive_skips)
+    return trainer.lower_train_step(state, batch_shapes(train_dataset_cfg, model))
 
 
 def _sum_metrics(window: Sequence[dict]) -> dict[str, float]:
@@ -183,13 +241,10 @@ def train(
     length = max(train_dataset_cfg.task_feature_lengths.values())
     batch_size = train_dataset_cfg.batch_size
     state, state_axes = initial_state(model, init_rng, batch_size, length)
-    features = {k: v for k, v in (("ema_decay", ema_decay),
-                                   ("skip_nonfinite_updates", skip_nonfinite_updates),
-                                   ("max_consecutive_skips", max_consecutive_skips)) if v}
-    trainer = trainer_cls(model=model, train_state=state, partitioner=partitioner,
-                          eval_names=[], summary_dir=model_dir, train_state_axes=state_axes,
-                          rng=dropout_rng, **features)
-    trainer.check_batch_size(batch_size)
+    trainer = make_trainer(trainer_cls, model, partitioner, state, state_axes, dropout_rng,
+                           batch_size, model_dir, ema_decay=ema_decay,
+                           skip_nonfinite_updates=skip_nonfinite_updates,
+                           max_consecutive_skips=max_consecutive_skips)
     state = trainer.prepare_state(state)
 
     state, start_step = _restore(state, restore_cfg, model_dir, progress)

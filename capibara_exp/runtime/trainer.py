@@ -228,6 +228,14 @@ class Trainer:
             state, metrics = self._train_step(state, batch)
         return state, dict(metrics, learning_rate=learning_rate)
 
+    def lower_train_step(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
+        """The train step lowered for abstract inputs (jax.ShapeDtypeStruct trees), as
+        train_step would compile it: for ahead-of-time compiles on a target topology."""
+        if self.ema_decay is not None and state.ema_params is None:
+            state = state.replace(ema_params=state.params)
+        with self.partitioner.activation_context():
+            return self._train_step.lower(state, batch)
+
     def eval_step(self, state: TrainState, batch: dict) -> dict:
         """Metric sums of one batch, with the EMA weights where the trainer keeps them."""
         params = state.params if state.ema_params is None else state.ema_params
