@@ -37,6 +37,23 @@ def sown_by_layer(intermediates: Any, name: str) -> dict[str, jnp.ndarray]:
     return dict(sorted(found.items()))
 
 
+def unscan(intermediates: Any, block_size: int) -> dict:
+    """Intermediates of a scanned decoder (layers/layers_<j>/..., stacked over blocks) as the
+    unrolled decoder sows them (layers_<b * block_size + j>/...), so metrics name layers
+    alike whether or not the decoder scans."""
+    flat = traverse_util.flatten_dict(dict(intermediates))
+    out = {}
+    for path, value in flat.items():
+        if len(path) < 2 or path[0] != "layers":
+            out[path] = value
+            continue
+        j = int(path[1].removeprefix("layers_"))
+        stacked = value[0] if isinstance(value, tuple) else value
+        for b in range(stacked.shape[0]):
+            out[(f"layers_{b * block_size + j}", *path[2:])] = (stacked[b],)
+    return traverse_util.unflatten_dict(out)
+
+
 def layer_means(intermediates: Any) -> dict[str, jnp.ndarray]:
     """T5X's MoE metrics averaged over the MoE layers; a missing name is an error."""
     means = {}
@@ -129,6 +146,8 @@ class MoeDecoderOnlyModel(DecoderOnlyModel):
                                              mutable=["intermediates"])
         loss, sums = self.token_loss(logits, batch)
         inter = state.get("intermediates", {})
+        if self.module.config.scan_layers:
+            inter = unscan(inter, self.module.block_size())
         means = layer_means(inter)
         aux = self.aux_loss_factor * means["auxiliary_loss"]
         router_z = self.router_z_loss_factor * means["router_z_loss"]
