@@ -23,7 +23,7 @@ class ConsensusError(RuntimeError):
 class GateConfig:
     """Thresholds; None switches a check off."""
 
-    require_manifest: bool = False      # a checkpoint without a checksum manifest is rejected
+    require_manifest: bool = True       # a checkpoint without a checksum manifest is rejected
     check_finite: bool = True           # NaN/Inf anywhere in the tree rejects a candidate
     max_val_loss: float | None = None   # absolute validation-loss ceiling
     max_val_loss_ratio: float | None = 1.5  # ceiling relative to the median candidate's loss
