@@ -349,6 +349,32 @@ def test_router_labels_follow_their_segments_on_the_routing_mixture(
     assert len(headers) >= 2  # the check met examples' starts of several domains
 
 
+def test_router_labels_need_a_kernel_packer_and_an_integer_feature(
+        built, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capibara_exp.data import packing, routing_tasks
+    from capibara_exp.runtime import inputs
+    from capibara_exp.runtime.config import DatasetConfig
+
+    monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
+    cfg = DatasetConfig(mixture_or_task_name=routing_tasks.domain_task("sql"),
+                        task_feature_lengths={"targets": 64}, split="validation", batch_size=2,
+                        shuffle=False, seed=0, pack=True, module=routing_tasks.__name__)
+
+    def first(feature: str, strategy: str = "first_fit") -> dict:
+        converter = packing.carrying_labels(seqio.DecoderFeatureConverter, feature)
+        return next(inputs.batches(cfg, converter, 0, packer=packing.Packer(strategy)))
+
+    with pytest.raises(ValueError, match="set data.pack=true and data.packing=first_fit"):
+        first("domain_id", "seqio")
+    with pytest.raises(ValueError, match="router_label_feature='nope': the examples have no"):
+        first("nope")
+    with pytest.raises(ValueError, match="'difficulty': must be one integer per example"):
+        first("difficulty")
+    batch = first("domain_id", "next_fit")
+    np.testing.assert_array_equal(  # sql is domain 1
+        batch["decoder_domain_id"], np.where(batch["decoder_segment_ids"] > 0, 1, -1))
+
+
 @pytest.mark.slow
 def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
         tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -222,7 +222,9 @@ def _path_name(path: tuple) -> str:
 
 class MoeTrainer(Trainer):
     """T5X's MoeTrainer: gradients of expert parameters (paths matching `.*expert.*`) are
-    scaled by num_expert_partitions, as t5x.contrib.moe does, so both engines train alike."""
+    scaled by num_expert_partitions, as t5x.contrib.moe does, so both engines train alike.
+    The scale makes training depend on the expert partitioning after the first step (under
+    SGD or clipping; Adam's update is nearly scale-free)."""
 
     def __init__(self, model: Any, train_state: Any, partitioner: Any, eval_names: Any,
                  summary_dir: str | None, train_state_axes: Any, rng: jax.Array,
