@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp import gin_bridge
 from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.launch import distributed, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
@@ -68,23 +69,24 @@ def check_keys(cfg: DictConfig, choices: dict[str, str | None], search_dirs: lis
     setters = [str(f) for g in ("experiment", "debug")
                if choices.get(g) and (f := option_file(g, choices[g], search_dirs))]
     setters = " or ".join([*setters, "the command line"])
-    allowed = {*schemas[""][0], *(g.split("/")[0] for g in choices), "hydra"} - {"defaults"}
+    allowed = {*schemas[""][0].keys(), *(g.split("/")[0] for g in choices), "hydra"} - {"defaults"}
     unknown = [k for k in cfg if k not in allowed]
     if unknown:
         raise ConfigError(f"unknown key '{unknown[0]}' at the root: neither {primary} nor a "
                           f"config group has it (set by {setters})")
     if "engine" in schemas:
         schema, path = schemas["engine"]
-        unknown = [k for k in cfg.engine if k not in schema]
+        unknown = [k for k in cfg.engine if k not in schema.keys()]  # `in` skips ??? values
         if unknown:
             raise ConfigError(f"unknown key 'engine.{unknown[0]}': {path} has no such key "
                               f"(set by {setters})")
     for group, (schema, path) in schemas.items():
         node = cfg[group] if group else cfg
-        for key in schema:
-            if OmegaConf.is_config(schema[key]) and key in node and isinstance(node[key], str):
+        raw = OmegaConf.to_container(schema, resolve=False)  # ??? and ${...} stay as text
+        for key, value in raw.items():
+            if isinstance(value, list | dict) and key in node and isinstance(node[key], str):
                 name = f"{group}.{key}" if group else key
-                kind = "a list, e.g. [a,b]" if OmegaConf.is_list(schema[key]) else "a mapping"
+                kind = "a list, e.g. [a,b]" if isinstance(value, list) else "a mapping"
                 raise ConfigError(f"{name}: expected {kind} (as in {path}), got the string "
                                   f"{node[key]!r}")
 
@@ -95,7 +97,7 @@ def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
 
     `before_check` runs between the two: after the bridge's own errors, before the check
     imports the runtime (JAX)."""
-    engine = cfg.engine.name
+    engine = gin_engine(cfg)
     sources = config_sources(choices)
     text = gin_bridge.render(cfg, engine, GIN_DIR, sources, title(choices))
     path = run_dir / CONFIG_GIN
@@ -111,6 +113,12 @@ def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
 
     gin_utils.parse(path, local_text)
     return path
+
+
+def gin_engine(cfg: DictConfig) -> str:
+    """Whose import header config.gin gets: the engine's, or for engine=tpu_vm the runtime
+    its workers run (t5x or local)."""
+    return cfg.engine.runtime if cfg.engine.name == "tpu_vm" else cfg.engine.name
 
 
 def prepare_data(cfg: DictConfig) -> None:
@@ -133,15 +141,19 @@ def run(cfg: DictConfig) -> dict | None:
     choices = dict(hc.runtime.choices)
     check_keys(cfg, choices, [Path(s.path) for s in hc.runtime.config_sources
                               if s.schema == "file"])
+    engine = cfg.engine.name
+    distributed.check(cfg.distributed, Path(cfg.model_dir).resolve() == run_dir.resolve())
+    if engine == "tpu_vm":
+        return launch_tpu_vm(cfg, run_dir, choices)
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)
     path = write_gin(cfg, run_dir, choices, lambda: prepare_data(cfg))
     print(f"capibara-exp: run dir {run_dir}", file=sys.stderr)
-    engine = cfg.engine.name
     metrics = None
     if engine == "local":
         from capibara_exp.runtime import gin_utils
         from capibara_exp.runtime.metrics import last_metrics
 
+        distributed.initialize(cfg.distributed)
         _compilation_cache(cfg.get("compilation_cache_dir"))
         gin_utils.run_train(path, actions=_sweep_actions(cfg))
         _copy_operative_config(Path(cfg.model_dir), run_dir)
@@ -185,7 +197,33 @@ def _copy_operative_config(model_dir: Path, run_dir: Path) -> None:
 
 def t5x_command(cfg: DictConfig, gin_path: Path) -> list[str]:
     return [cfg.engine.python, "-m", "t5x.train", f"--gin_file={gin_path}",
-            *list(cfg.engine.extra_flags)]
+            *distributed.t5x_flags(cfg.distributed), *list(cfg.engine.extra_flags)]
+
+
+def launch_tpu_vm(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]) -> None:
+    """engine=tpu_vm: config.gin for the workers' runtime and the launch script in the run
+    dir; print the script (dry run) or run it."""
+    from omegaconf import open_dict
+
+    if Path(cfg.model_dir).resolve() == run_dir.resolve():  # the default: shared storage instead
+        with open_dict(cfg):
+            cfg.model_dir = cfg.engine.model_dir
+    topology = tpu_vm.check(cfg)
+    gin_path = write_gin(cfg, run_dir, choices)
+    launch = run_dir / tpu_vm.SCRIPT
+    launch.write_text(tpu_vm.script(cfg, topology, str(gin_path), run_dir.name))
+    launch.chmod(0o755)
+    if cfg.engine.dry_run:
+        print(launch.read_text())
+        print(f"capibara-exp: dry run; the launch script is {launch} "
+              "(engine.dry_run=false runs it)", file=sys.stderr)
+        return
+    if shutil.which("gcloud") is None:
+        raise ConfigError("engine=tpu_vm: gcloud is not installed here; install the Google "
+                          f"Cloud CLI, or run {launch} where it is")
+    result = subprocess.run(["bash", str(launch)], check=False)
+    if result.returncode:
+        raise ConfigError(f"{launch} exited with status {result.returncode}; see its output above")
 
 
 def run_t5x(cfg: DictConfig, gin_path: Path, model_dir: Path, run_dir: Path) -> None:

@@ -7,6 +7,7 @@ checkpoints and runs actions on T5X's schedule.
 
 from __future__ import annotations
 
+import io
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -234,8 +235,11 @@ def train(
     if random_seed is None:
         random_seed = random.SystemRandom().randint(0, 2**31 - 1)
     model_dir = str(Path(model_dir).absolute())
-    writer = MetricsWriter(model_dir)
-    progress = Progress(total_steps)
+    # Process 0 writes metrics, the operative config and the progress line (as T5X); every
+    # process trains, checkpoints (Orbax coordinates them) and decides when to stop alike.
+    lead = jax.process_index() == 0
+    writer = MetricsWriter(model_dir) if lead else _NoWriter()
+    progress = Progress(total_steps) if lead else Progress(total_steps, stream=io.StringIO())
 
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(random_seed))
     length = max(train_dataset_cfg.task_feature_lengths.values())
@@ -255,9 +259,10 @@ def train(
     else:
         train_iter = inputs.batches(train_dataset_cfg, model.FEATURE_CONVERTER_CLS, data_seed,
                                     skip_batches=start_step)
-    eval_batches = _eval_batches(train_eval_dataset_cfg, model, eval_steps)
-    mgr = checkpoints.manager(model_dir, save_cfg.keep) if save_cfg else None
     data_sharding = partitioner.data_sharding()
+    eval_batches = [global_batch(b, data_sharding)
+                    for b in _eval_batches(train_eval_dataset_cfg, model, eval_steps)]
+    mgr = checkpoints.manager(model_dir, save_cfg.keep) if save_cfg else None
 
     max_skips = trainer.max_consecutive_skips if trainer.skip_nonfinite_updates else None
     window = _Window(batch_size * length, max_skips)
@@ -267,22 +272,23 @@ def train(
         getattr(model.module, "moe_config", None))
     # One device's measured peak in the compute dtype times the devices the step runs on
     # (simulated CPU devices share the host's cores, so there MFU reads low).
-    window.peak_flops = run_peak_flops(model_dir, getattr(net_config, "dtype", "float32")
-                                       ) * jax.device_count()
+    if lead:  # the MFU baseline is measured once, by the process that reports it
+        window.peak_flops = run_peak_flops(model_dir, getattr(net_config, "dtype", "float32")
+                                           ) * jax.device_count()
     step, stop = start_step, False
     task = train_eval_dataset_cfg.mixture_or_task_name if train_eval_dataset_cfg else None
     if run_eval_before_training and eval_batches:
         metrics_by_task = _train_eval(trainer, state, eval_batches, task, step, writer, progress)
-        for action in actions.get("TRAIN_EVAL", []):
-            stop = action.run(state, metrics_by_task) or stop
+        stop = run_actions(actions.get("TRAIN_EVAL", []), state, metrics_by_task)
     while step < total_steps and not stop:
         host_batch = window.next_batch(train_iter)
-        state, step_metrics = trainer.train_step(state, jax.device_put(host_batch, data_sharding))
+        state, step_metrics = trainer.train_step(state, global_batch(host_batch, data_sharding))
         window.add(step, step_metrics)
         step += 1
         if step == start_step + 1:  # compiled: time steady-state steps from here
             window.check_finite()
-            summarize_config_fn(model_dir, writer, step)
+            if lead:
+                summarize_config_fn(model_dir, writer, step)
             progress.message(f"compiled and ran step {step}; training to step {total_steps}")
             window.reset()
         final = step == total_steps
@@ -292,8 +298,7 @@ def train(
             writer.write(step, "train", m)
             progress.update(step, m["loss"], m["tokens_per_s"], m["step_time_s"],
                             m.get("data_wait_share"))
-            for action in actions.get("TRAIN", []):
-                stop = action.run(state, {"train": m}) or stop
+            stop = run_actions(actions.get("TRAIN", []), state, {"train": m}) or stop
         if end_of_epoch:
             metrics_by_task = {}
             if eval_batches and (final or step % (eval_period or total_steps) == 0):
@@ -301,22 +306,63 @@ def train(
                                               progress)
             if mgr and (final or step % (save_cfg.period or total_steps) == 0
                         or step in extra_save_steps):
-                checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
-            for action in actions.get("TRAIN_EVAL", []):
-                stop = action.run(state, metrics_by_task) or stop
+                _save(mgr, step, state, save_cfg.dtype)
+            stop = run_actions(actions.get("TRAIN_EVAL", []), state, metrics_by_task) or stop
             window.reset()  # evaluation and checkpointing are not step time
         elif mgr and step in extra_save_steps:  # T5X's checkpoint_steps: extra steps to save
             t0 = time.perf_counter()
-            checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
+            _save(mgr, step, state, save_cfg.dtype)
             window.t0 += time.perf_counter() - t0  # checkpointing is not step time
     if stop and mgr and step not in checkpoints.steps(model_dir):
-        checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), save_cfg.dtype))
+        _save(mgr, step, state, save_cfg.dtype)
     if mgr:
         mgr.close()
-    summarize_config_fn(model_dir, writer, step)
+    if lead:
+        summarize_config_fn(model_dir, writer, step)
     writer.close()
     progress.message(f"finished at step {step}; checkpoints in {model_dir}")
     return step, state
+
+
+def _save(mgr: Any, step: int, state: TrainState, dtype: str) -> None:
+    checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), dtype))
+
+
+def global_batch(batch: dict[str, np.ndarray], sharding: Any) -> dict[str, jax.Array]:
+    """A host batch as global arrays. Every process holds the whole global batch (the input
+    is deterministic for a seed) and places the rows its own devices hold, so N processes
+    train on exactly the batches one process would."""
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+            for k, v in batch.items()}
+
+
+def run_actions(actions: Sequence[BaseAction], state: TrainState, metrics: Mapping) -> bool:
+    """Actions run on process 0 only (as in T5X); whether one asked to stop reaches every
+    process, so all leave the loop at the same step."""
+    stop = False
+    if jax.process_index() == 0:
+        for action in actions:
+            stop = action.run(state, metrics) or stop
+    if actions and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        stop = bool(multihost_utils.broadcast_one_to_all(np.int32(stop)))
+    return stop
+
+
+class _NoWriter:
+    """The metrics writer of processes other than 0: they report nothing."""
+
+    def write(self, *args: Any) -> None:
+        pass
+
+    def text(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Window:

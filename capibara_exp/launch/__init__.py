@@ -1,0 +1,1 @@
+"""Launching runs beyond one process: jax.distributed settings and TPU VM slices."""

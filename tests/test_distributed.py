@@ -1,0 +1,144 @@
+"""Multi-process training (jax.distributed) and the TPU VM launch script (engine=tpu_vm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+RUN = ["debug=fast", "trainer.train_steps=2", "trainer.eval_period=2", "trainer.stats_period=1",
+       "checkpoint.checkpoint_period=1"]
+
+
+def _capibara(args: list[str], cwd: Path, devices: int) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, "-m", "capibara_exp.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _records(model_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(model_dir: Path, step: int) -> dict:
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.restore(model_dir / f"checkpoint_{step}" / "state")
+    return {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_flatten_with_path(tree["target"])[0]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.entry
+def test_two_processes_of_four_devices_train_as_one_of_eight(tmp_path, data_dir):
+    one = tmp_path / "one"
+    _finish(_capibara([*RUN, f"model_dir={one}"], tmp_path, devices=8))
+    two = tmp_path / "two"
+    common = [*RUN, f"model_dir={two}", "distributed.mode=explicit", "distributed.num_processes=2",
+              f"distributed.coordinator_address=localhost:{_free_port()}"]
+    procs = [_capibara([*common, f"distributed.process_id={i}"], tmp_path, devices=4)
+             for i in range(2)]
+    outputs = [_finish(p) for p in procs]
+    assert "finished at step 2" in outputs[0]
+    assert "finished at step 2" not in outputs[1]  # process 1 reports nothing
+
+    # Training moved the parameters, and both set-ups moved them alike.
+    before, after = _params(one, 1), _params(one, 2)
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+    for step in (1, 2):
+        want, got = _params(one, step), _params(two, step)
+        assert sorted(want) == sorted(got)
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    want_m = {(r["split"], r["step"]): r["loss"] for r in _records(one)}
+    got_m = {(r["split"], r["step"]): r["loss"] for r in _records(two)}
+    assert want_m.keys() == got_m.keys() and ("train_eval", 2) in want_m
+    for key, loss in want_m.items():
+        assert got_m[key] == pytest.approx(loss, rel=1e-6), key
+
+
+def test_distributed_settings_errors_name_the_keys(tmp_path):
+    from omegaconf import OmegaConf
+
+    from capibara_exp.gin_bridge import ConfigError
+    from capibara_exp.launch import distributed
+
+    def settings(**kw):
+        base = {"mode": "explicit", "coordinator_address": "localhost:1", "num_processes": 2,
+                "process_id": 0, "local_device_ids": None}
+        return OmegaConf.create({**base, **kw})
+
+    distributed.check(settings(), model_dir_is_run_dir=False)
+    with pytest.raises(ConfigError, match="distributed.mode: 'on' is not one of"):
+        distributed.check(settings(mode="on"), False)
+    with pytest.raises(ConfigError, match="needs distributed.coordinator_address"):
+        distributed.check(settings(coordinator_address=None), False)
+    with pytest.raises(ConfigError, match=r"process_id=2 is not in \[0, .*num_processes=2\)"):
+        distributed.check(settings(process_id=2), False)
+    with pytest.raises(ConfigError, match="set model_dir to a directory all processes share"):
+        distributed.check(settings(), model_dir_is_run_dir=True)
+    assert distributed.t5x_flags(settings(process_id=1)) == [
+        "--multiprocess_gpu", "--coordinator_address=localhost:1", "--process_count=2",
+        "--process_index=1"]
+
+
+TPU_VM = ["experiment=moe_e2b_base", "engine=tpu_vm", "engine.tpu_name=my-slice",
+          "engine.zone=us-west4-a", "engine.workdir=/mnt/shared"]
+
+
+@pytest.mark.parametrize("runtime", ["t5x", "local"])
+def test_tpu_vm_dry_run_writes_the_launch_script(tmp_path, runtime):
+    out = subprocess.run([sys.executable, "-m", "capibara_exp.cli", *TPU_VM,
+                          f"engine.runtime={runtime}", "hydra.run.dir=run"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    script = (tmp_path / "run" / "launch_tpu_vm.sh").read_text()
+    assert out.stdout.strip() == script.strip()  # the dry run prints what it wrote
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    gin_text = (tmp_path / "run" / "config.gin").read_text()
+    header = "from t5x import utils" if runtime == "t5x" else "runtime import config as utils"
+    assert header in gin_text
+    # v5e-64: 64 chips on 8 hosts, one command on every worker, the same gin, shared dirs.
+    assert "--accelerator-type=v5litepod-64" in script and "8 worker host(s)" in script
+    lines = [line for line in script.splitlines() if line.startswith("gcloud")]
+    assert len(lines) == 3 and all("--worker=all" in line for line in lines)
+    assert "scp" in lines[1] and str(tmp_path / "run" / "config.gin") in lines[1]
+    remote_gin = lines[1].split("my-slice:")[1].split()[0]
+    assert remote_gin.startswith("/mnt/shared/moe_e2b_base/run/")
+    assert f"--gin_file={remote_gin}" in lines[2] or f"runtime {remote_gin}" in lines[2]
+    assert "CAPIBARA_DATA_DIR=/mnt/shared/data" in lines[2]
+    model_dir = next(line for line in gin_text.splitlines() if line.startswith("MODEL_DIR"))
+    assert "'/mnt/shared/moe_e2b_base/" in model_dir
+
+
+def test_tpu_vm_settings_errors(tmp_path):
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "capibara_exp.cli", *TPU_VM, *extra],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    out = run("topology=cpu")
+    assert out.returncode == 2 and "engine=tpu_vm needs a TPU slice in `topology`" in out.stderr
+    out = run("engine.workdir=relative/dir")
+    assert out.returncode == 2 and "engine.workdir=relative/dir: give the absolute path" in out.stderr
+    out = run("model_dir=/elsewhere/run")
+    assert out.returncode == 2 and "model_dir=/elsewhere/run is not on the workers' shared" in out.stderr
