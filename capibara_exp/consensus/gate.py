@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -101,8 +103,9 @@ def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
     rejected: dict[str, str] = {}
     indexes: dict[str, dict] = {}
     integrity: dict[str, str] = {}
-    for c in candidates:
-        integrity[c.name], reason = _integrity(c, cfg.require_manifest)
+    with ThreadPoolExecutor(max_workers=min(len(candidates), os.cpu_count() or 1) or 1) as pool:
+        checked = list(pool.map(lambda c: _integrity(c, cfg.require_manifest), candidates))
+    for c, (integrity[c.name], reason) in zip(candidates, checked, strict=True):
         if reason is None:
             try:
                 indexes[c.name] = leaf_index(c)
@@ -171,10 +174,11 @@ def _distance_outliers(live: list[Candidate], reader: LeafReader, index: dict,
     for path, info in index.items():
         if path[:1] != TARGET:
             continue
-        leaves = [reader.read(c, path, info) for c in live]
-        med = np.asarray(methods.median(leaves), np.float64)
+        leaves = reader.read_many(live, path, info)
+        med = np.asarray(methods.median(leaves), np.float32)
         for i, x in enumerate(leaves):
-            dist_sq[i] += float(np.sum((np.asarray(x, np.float64) - med) ** 2))
+            d = np.subtract(np.asarray(x), med, dtype=np.float32)
+            dist_sq[i] += float(np.square(d, out=d).sum(dtype=np.float64))  # pairwise sum
     dist = np.sqrt(dist_sq)
     typical = float(np.median(dist))
     for c, d in zip(live, dist, strict=True):

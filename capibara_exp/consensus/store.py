@@ -123,13 +123,17 @@ class LeafReader:
                 errors.append(str(err).split("[tensorstore_spec")[0])
         raise ValueError(f"{candidate.state_dir}: leaf {'.'.join(path)}: {' / '.join(errors)}")
 
-    def read(self, candidate: Candidate, path: LeafPath, info: LeafInfo) -> np.ndarray | jax.Array:
-        """One leaf: a fresh host array the caller owns (no mesh), or a jax.Array placed
-        with its saved partition spec on the mesh, each device reading only its slice."""
+    def _checked_open(self, candidate: Candidate, path: LeafPath, info: LeafInfo) -> ts.TensorStore:
         store = self._open(candidate, path)
         if tuple(store.shape) != info.shape:
             raise ValueError(f"{candidate.state_dir}: leaf {'.'.join(path)} has shape "
                              f"{tuple(store.shape)}, its metadata says {info.shape}")
+        return store
+
+    def read(self, candidate: Candidate, path: LeafPath, info: LeafInfo) -> np.ndarray | jax.Array:
+        """One leaf: a fresh host array the caller owns (no mesh), or a jax.Array placed
+        with its saved partition spec on the mesh, each device reading only its slice."""
+        store = self._checked_open(candidate, path, info)
         if self.mesh is None:  # merging runs on the host: no device round trip
             return np.asarray(store.read().result()).astype(info.dtype, copy=False)
         sharding = sharding_for(info, self.mesh)
@@ -143,19 +147,20 @@ class LeafReader:
         is awaited, so TensorStore decodes them (zstd, Orbax's default) on all its threads."""
         if self.mesh is not None:
             return [self.read(c, path, info) for c in candidates]
-        stores = [self._open(c, path) for c in candidates]
-        for c, store in zip(candidates, stores, strict=True):
-            if tuple(store.shape) != info.shape:
-                raise ValueError(f"{c.state_dir}: leaf {'.'.join(path)} has shape "
-                                 f"{tuple(store.shape)}, its metadata says {info.shape}")
-        futures = [store.read() for store in stores]
+        futures = [self._checked_open(c, path, info).read() for c in candidates]
         return [np.asarray(f.result()).astype(info.dtype, copy=False) for f in futures]
 
     def read_subtree(self, candidate: Candidate, index: dict[LeafPath, LeafInfo],
                      prefix: LeafPath) -> dict:
-        """All leaves under `prefix` (e.g. ('target',): the parameters) as a nested dict."""
-        return unflatten({p[len(prefix):]: self.read(candidate, p, info)
-                          for p, info in index.items() if p[: len(prefix)] == prefix})
+        """All leaves under `prefix` (e.g. ('target',): the parameters) as a nested dict;
+        on the host, every leaf's read is issued before any is awaited."""
+        paths = [p for p in index if p[: len(prefix)] == prefix]
+        if self.mesh is not None:
+            return unflatten({p[len(prefix):]: self.read(candidate, p, index[p]) for p in paths})
+        reads = [(p, self._checked_open(candidate, p, index[p]).read()) for p in paths]
+        return unflatten({p[len(prefix):]: np.asarray(r.result()).astype(index[p].dtype,
+                                                                          copy=False)
+                          for p, r in reads})
 
     def close(self) -> None:
         self._context = None
