@@ -1,0 +1,147 @@
+"""Compile an experiment's real train step for a device set (a TPU topology) without running it.
+
+The path is the one a run takes: the composed config is bridged to the local engine's gin,
+gin builds the model, partitioner and trainer class from train_script.train's bindings, and
+train_script.lower_train_step lowers the trainer's jitted step for shapes only. Only the
+devices differ: the partitioner lays its mesh over the topology's chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+
+from capibara_exp import gin_bridge
+from capibara_exp.paths import GIN_DIR
+from capibara_exp.tuning import hlo
+from capibara_exp.tuning.estimate import Estimate, estimate
+from capibara_exp.tuning.topology import Chip
+
+# XLA:TPU refuses a program over HBM at compile time: "Ran out of memory in memory space
+# hbm. Used 20.5G of 15.75G hbm. Exceeded hbm capacity by 4.75G."
+_OOM_RE = re.compile(r"(RESOURCE_EXHAUSTED|[Rr]an out of memory|Exceeded hbm capacity)")
+_USED_RE = re.compile(r"Used ([\d.]+)([KMGT])? of ([\d.]+)([KMGT])? hbm")
+_UNITS = {None: 1, "": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What one compile of a candidate tells: memory per chip, the HLO profile, an estimate."""
+
+    feasible: bool
+    reason: str  # why not, or "" when feasible
+    compile_s: float = 0.0
+    memory_bytes: float = 0.0  # per chip: XLA's peak, or what the OOM message says it needs
+    flops: float = 0.0  # per chip per step, matmuls (HLO profile)
+    hbm_bytes: float = 0.0
+    collective_bytes: float = 0.0
+    model_flops: float = 0.0  # per chip per step, PaLM's analytic count
+    estimate: Estimate | None = None
+    xla_flops: float = 0.0  # cost_analysis()'s figure, for comparison (loops counted once)
+
+    def record(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "estimate"}
+        if self.estimate:
+            out.update({f"est_{k}": v for k, v in dataclasses.asdict(self.estimate).items()})
+        return out
+
+
+def render_local_gin(cfg: DictConfig) -> str:
+    """The local engine's config.gin for a composed config (what a run would write)."""
+    return gin_bridge.render(cfg, "local", GIN_DIR, {}, "capibara-exp-tune-mesh candidate")
+
+
+def train_bindings(gin_text: str, devices: Sequence[Any]) -> dict[str, Any]:
+    """train_script.train's arguments as gin builds them, with meshes over `devices`."""
+    import gin
+    from capibara_exp.runtime import gin_utils, partitioning, train_script
+
+    gin_utils.parse("config.gin (candidate)", gin_text)
+    with partitioning.target_devices(devices):
+        return gin.get_bindings(train_script.train)
+
+
+def memory_per_chip(compiled: Any) -> float:
+    stats = compiled.memory_analysis()
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    if peak:
+        return float(peak)
+    return float(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                 - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+                 + stats.generated_code_size_in_bytes)
+
+
+def _oom_bytes(message: str) -> float:
+    used = _USED_RE.search(message)
+    return float(used.group(1)) * _UNITS[used.group(2)] if used else 0.0
+
+
+def model_flops_per_chip(bindings: dict[str, Any], num_devices: int) -> float:
+    from capibara_exp.runtime import train_script
+    from capibara_exp.runtime.metrics import model_flops_per_token
+
+    model, data = bindings["model"], bindings["train_dataset_cfg"]
+    length = max(data.task_feature_lengths.values())
+    params = train_script.state_shapes(model, 1, length)[0].params
+    per_token = model_flops_per_token(params, getattr(model.module, "config", None), length,
+                                      getattr(model.module, "moe_config", None))
+    return per_token * data.batch_size * length / num_devices
+
+
+def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
+                 hbm_margin: float = 0.0) -> Compiled:
+    """Compile cfg's train step for `devices`; a config the mesh cannot take, a compile that
+    runs out of HBM or a peak over (1 - hbm_margin) of the chip's HBM is infeasible."""
+    import jax
+
+    import gin
+
+    try:
+        bindings = train_bindings(render_local_gin(cfg), devices)
+        from capibara_exp.runtime import train_script
+
+        lowered = train_script.lower_train_step(**bindings)
+        model_flops = model_flops_per_chip(bindings, len(devices))
+    except (ValueError, gin_bridge.ConfigError) as err:  # the mesh/config does not fit
+        return Compiled(False, f"invalid: {_one_line(err)}")
+    finally:
+        gin.clear_config(clear_constants=True)
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # XLA raises XlaRuntimeError (and others) for OOM and failures
+        message = _one_line(err)
+        if _OOM_RE.search(message):
+            return Compiled(False, f"out of HBM: {message}", time.perf_counter() - t0,
+                            _oom_bytes(message))
+        return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0)
+    compile_s = time.perf_counter() - t0
+    memory = memory_per_chip(compiled)
+    profile = hlo.profile(compiled.as_text(), len(devices))
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    result = Compiled(True, "", compile_s, memory, profile.flops, profile.hbm_bytes,
+                      profile.collective_bytes, model_flops,
+                      estimate(profile, chip, model_flops), float(cost.get("flops", 0.0)))
+    budget = (1.0 - hbm_margin) * chip.hbm_bytes
+    if memory > budget:
+        result.feasible = False
+        result.reason = (f"over HBM budget: {memory / 2**30:.2f} GiB per chip > "
+                         f"{budget / 2**30:.2f} GiB ({chip.hbm_bytes / 2**30:.0f} GiB, "
+                         f"margin {hbm_margin:.0%})")
+    del compiled, lowered
+    jax.clear_caches()
+    gc.collect()
+    return result
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 400 else text[:397] + "..."

@@ -1,0 +1,96 @@
+"""The mesh planner's search space: mesh shapes, microbatches, remat, FSDP, per-chip batch.
+
+A candidate is a set of Hydra overrides on the experiment (partitioning, trainer and model
+keys), so compiling it is compiling the experiment as a user would run it. Shapes that
+cannot work are left out before anything compiles: model partitions that do not divide the
+chips or the heads, expert partitions that do not divide the experts, microbatches that do
+not split the batch over the batch shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+REMAT_POLICIES = ("none", "dots", "full")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    data: int
+    expert: int  # 1 for a dense model (no expert axis)
+    model: int
+    num_microbatches: int  # 1: no gradient accumulation
+    remat_policy: str
+    fsdp: bool  # parameters also sharded over 'data' (parameter_partitioning_dims=2)
+    batch_size: int  # global
+
+    @property
+    def mesh(self) -> str:
+        return f"{self.data}x{self.expert}x{self.model}"
+
+    @property
+    def key(self) -> str:
+        return (f"mesh={self.mesh} mb={self.num_microbatches} remat={self.remat_policy} "
+                f"fsdp={int(self.fsdp)} batch={self.batch_size}")
+
+    def overrides(self, moe: bool) -> list[str]:
+        """Hydra overrides that make the experiment this candidate."""
+        out = [f"partitioning.num_partitions={self.model}",
+               "partitioning.model_parallel_submesh=null",
+               f"partitioning.parameter_partitioning_dims={2 if self.fsdp else 1}",
+               f"trainer.num_microbatches={self.num_microbatches if self.num_microbatches > 1 else 'null'}",  # noqa: E501
+               f"model.remat_policy={self.remat_policy}",
+               f"data.batch_size={self.batch_size}"]
+        if moe:
+            out.append(f"partitioning.num_expert_partitions={self.expert}")
+        return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(chips: int, num_heads: int, num_experts: int | None,
+                model_partitions: Iterable[int] | None = None,
+                expert_partitions: Iterable[int] | None = None) -> list[tuple[int, int, int]]:
+    """(data, expert, model) shapes over `chips`; expert is 1 for dense models."""
+    shapes = []
+    for model in model_partitions or divisors(chips):
+        if chips % model or num_heads % model:
+            continue
+        rest = chips // model
+        experts = [1] if not num_experts else (expert_partitions or divisors(rest))
+        for expert in experts:
+            if rest % expert or (num_experts and num_experts % expert):
+                continue
+            shapes.append((rest // expert, expert, model))
+    return sorted(shapes)
+
+
+def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: int, *,
+               num_microbatches: Sequence[int] = (1,), remat_policies: Sequence[str] = ("none",),
+               fsdp: Sequence[bool] = (False,), per_chip_batch: Sequence[int] | None = None,
+               model_partitions: Iterable[int] | None = None,
+               expert_partitions: Iterable[int] | None = None) -> list[Candidate]:
+    """Every valid combination; `per_chip_batch` replaces the experiment's global batch with
+    per-chip sizes x chips."""
+    for policy in remat_policies:
+        if policy not in REMAT_POLICIES:
+            raise ValueError(f"tune_mesh.remat_policies: '{policy}' is not one of "
+                             f"{list(REMAT_POLICIES)}")
+    batches = [b * chips for b in per_chip_batch] if per_chip_batch else [batch_size]
+    out = []
+    for data, expert, model in mesh_shapes(chips, num_heads, num_experts, model_partitions,
+                                           expert_partitions):
+        for batch in batches:
+            for mb in num_microbatches:
+                if batch % mb or (batch // mb) % (data * expert):
+                    continue
+                for policy in remat_policies:
+                    for sharded in fsdp:
+                        if sharded and data == 1:
+                            continue  # nothing to shard parameters over
+                        out.append(Candidate(data, expert, model, mb, policy, bool(sharded),
+                                             batch))
+    return out

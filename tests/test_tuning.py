@@ -1,0 +1,237 @@
+"""The mesh planner: HLO profile, step-time model, search space, Optuna search, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from capibara_exp.tuning import estimate, hlo, search, space, topology
+
+LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+needs_libtpu = pytest.mark.skipif(
+    not LIBTPU_PLATFORM,
+    reason=f"libtpu is published for Linux x86_64 only, not {sys.platform} {platform.machine()}")
+
+
+def tpu_devices(name: str = "v5e-4") -> list:
+    assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
+    return topology.devices(topology.get(name))
+
+
+def test_matmul_flops_and_loop_trip_counts_on_cpu():
+    def chain(x_BxD, w_DxF, v_FxD):
+        return jnp.tanh(x_BxD @ w_DxF) @ v_FxD
+
+    def scanned(x_BxD, w_DxF, v_FxD):
+        def body(x, _):
+            return chain(x, w_DxF, v_FxD), None
+
+        return jax.lax.scan(body, x_BxD, None, length=5)[0]
+
+    args = (jnp.ones((32, 64)), jnp.ones((64, 128)), jnp.ones((128, 64)))
+    one = 2 * 32 * 64 * 128 * 2  # two matmuls
+    compiled = jax.jit(chain).lower(*args).compile()
+    assert hlo.profile(compiled.as_text(), 1).flops == one
+    looped = jax.jit(scanned).lower(*args).compile()
+    profile = hlo.profile(looped.as_text(), 1)
+    assert profile.flops == 5 * one  # XLA's cost_analysis counts the body once
+    assert looped.cost_analysis()["flops"] < 2 * one
+    assert profile.hbm_bytes > 5 * 4 * (32 * 64)  # at least the carry, read each iteration
+
+
+@needs_libtpu
+def test_tpu_einsums_and_collectives_are_counted():
+    devices = tpu_devices("v5e-4")
+    mesh = Mesh(np.asarray(devices).reshape(2, 2), ("data", "model"))
+
+    def step(x_BxLxD, w_DxF):
+        h_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, w_DxF)
+        scores_BxLxL = jnp.einsum("blf,bmf->blm", h_BxLxF, h_BxLxF)  # a batched einsum
+        return jnp.sum(jnp.tanh(scores_BxLxL))  # tanh: no algebraic shortcut for XLA
+
+    x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("data", None, None)))
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(None, "model")))
+    compiled = jax.jit(step).lower(x, w).compile()
+    profile = hlo.profile(compiled.as_text(), 4)
+    # Per device: 4 of 8 rows, 512 of 1024 features (the scores contract over features, so
+    # each device computes partial scores that an all-reduce over 'model' adds up).
+    want = 2 * 4 * 256 * 512 * 512 + 2 * 4 * 256 * 256 * 512
+    assert profile.flops == want
+    reduces = [c for c in profile.collectives if c.opcode == "all-reduce"]
+    assert reduces and all(c.group_size in (2, 4) for c in reduces)
+    chip = topology.V5E
+    seconds = estimate.collective_seconds(reduces[0], chip)
+    ring = 2 * chip.link_bytes_per_s
+    g = reduces[0].group_size
+    assert seconds == pytest.approx(2 * (g - 1) / g * reduces[0].bytes / ring
+                                    + estimate.COLLECTIVE_LATENCY_S)
+
+
+def test_step_estimate_is_a_per_op_roofline_plus_collectives():
+    chip = topology.Chip("test", peak_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
+                         ici_bytes_per_s=40.0, ici_ports=2)
+    profile = hlo.StepProfile(
+        flops=0, hbm_bytes=0,
+        collectives=[hlo.Collective("all-gather", 20.0, 4, 2.0),
+                     hlo.Collective("all-reduce", 8.0, 1, 1.0)],  # one device: free
+        ops=[(1000.0, 10.0, 1.0),  # compute-bound: 10 s
+             (10.0, 100.0, 3.0)])  # memory-bound: 10 s, three times
+    est = estimate.estimate(profile, chip, model_flops_per_chip=1000.0)
+    gather = 0.75 * 20.0 / (2 * chip.link_bytes_per_s) + estimate.COLLECTIVE_LATENCY_S
+    assert est.roofline_s == pytest.approx(10.0 + 30.0)
+    assert est.collective_s == pytest.approx(2 * gather)
+    assert est.step_s == pytest.approx(40.0 + 2 * gather)
+    assert est.mfu == pytest.approx(1000.0 / (est.step_s * 100.0))
+
+
+def test_candidates_divide_the_chips_heads_experts_and_batch():
+    cands = space.candidates(64, num_heads=16, num_experts=32, batch_size=256,
+                             num_microbatches=[1, 4], remat_policies=["dots"], fsdp=[False, True])
+    assert cands and len(set(cands)) == len(cands)
+    for c in cands:
+        assert c.data * c.expert * c.model == 64
+        assert 16 % c.model == 0 and 32 % c.expert == 0
+        assert (256 // c.num_microbatches) % (c.data * c.expert) == 0
+        assert not (c.fsdp and c.data == 1)
+    assert {c.mesh for c in cands} >= {"2x32x1", "64x1x1", "8x8x1", "4x8x2"}
+    dense = space.candidates(8, num_heads=4, num_experts=None, batch_size=16)
+    assert {c.mesh for c in dense} == {"8x1x1", "4x1x2", "2x1x4"}  # 8 model partitions: 4 heads
+    with pytest.raises(ValueError, match="tune_mesh.remat_policies: 'some'"):
+        space.candidates(8, 4, None, 16, remat_policies=["some"])
+
+
+def _table(cands):
+    """A synthetic result per candidate: a clear optimum, some infeasible."""
+    table = {}
+    for i, c in enumerate(cands):
+        feasible = not (c.model == 1 and c.num_microbatches == 1)
+        value = 0.1 + 0.01 * (i % 7) + (0.5 if c.mesh == "2x1x4" and c.fsdp else 0.0)
+        table[c] = search.Result(c, {"feasible": feasible, "est_mfu": value,
+                                     "reason": "" if feasible else "out of HBM: test"})
+    return table
+
+
+def test_search_finds_the_optimum_and_resumes(tmp_path):
+    import optuna
+
+    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+                             num_microbatches=[1, 2], remat_policies=["none", "full"],
+                             fsdp=[False, True])
+    table = _table(cands)
+    compiled = []
+
+    def evaluate(c):
+        compiled.append(c)
+        return table[c].record
+
+    cache = search.Cache(tmp_path / "candidates.jsonl")
+    best_exhaustive = search.best(search.exhaustive(cands, cache, evaluate))
+    assert best_exhaustive.candidate.mesh == "2x1x4" and best_exhaustive.candidate.fsdp
+    assert len(compiled) == len(cands)
+    # A second process reads the cache: nothing compiles again.
+    again = search.Cache(tmp_path / "candidates.jsonl")
+    assert search.best(search.exhaustive(cands, again, evaluate)).candidate == \
+        best_exhaustive.candidate
+    assert len(compiled) == len(cands)
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+
+    def study():
+        return optuna.create_study(study_name="s", storage=storage, load_if_exists=True,
+                                   direction="maximize",
+                                   sampler=search.make_sampler("tpe", 0, 40))
+
+    fresh = search.Cache(None)
+    first = search.optimize(cands, fresh, lambda c: table[c].record, 12, study())
+    trials = study().trials
+    assert len(trials) == 12
+    infeasible = [t for t in trials if t.system_attrs.get("constraints:infeasible")]
+    assert all(t.value == 0.0 for t in infeasible)
+    more = search.optimize(cands, fresh, lambda c: table[c].record, 20, study())
+    assert len(study().trials) == 20 and more[:len(first)] == first
+    found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
+    assert all(n is not None and 1 <= n <= len(cands) for n in found)
+
+
+@needs_libtpu
+def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
+    assert topology.libtpu_installed(), topology.INSTALL_HINT
+    conf = tmp_path / "conf"
+    out = subprocess.run(
+        [sys.executable, "-m", "capibara_exp.tuning.cli", "topology=v5e-4",
+         "tune_mesh.search=exhaustive", "tune_mesh.replay_seeds=2",
+         "tune_mesh.num_microbatches=[1,2]", "tune_mesh.remat_policies=[none]",
+         "tune_mesh.fsdp=[false]", "model.num_layers=1", f"tune_mesh.conf_dir={conf}",
+         "hydra.run.dir=plan"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "plan" / "mesh_results.json").read_text())
+    # 4 chips, 4 heads: meshes 4x1, 2x2, 1x4; batch 16 splits 2 microbatches on each.
+    assert results["space_size"] == 6 and results["compiled"] == 6
+    assert results["feasible"] == 6 and len(results["tpe_compiles_to_optimum"]) == 2
+    for row in results["results"]:
+        assert row["memory_bytes"] > 0 and row["est_step_s"] > 0 and 0 < row["est_mfu"] < 1
+        assert row["flops"] >= 0.9 * row["model_flops"]  # executed >= model FLOPs (no remat)
+    best = results["best"]
+    assert best["est_mfu"] == max(r["est_mfu"] for r in results["results"])
+    assert (tmp_path / "plan" / "mesh_report.png").stat().st_size > 10_000
+    assert "| mesh data x expert x model |" in (tmp_path / "plan" / "mesh_report.md").read_text()
+    entry = conf / "partitioning" / "dense_tiny_lm_v5e_4.yaml"
+    assert entry.read_text().startswith("# @package _global_")
+    # The entry composes with capibara-exp as written (partitioner, trainer and model keys).
+    job = subprocess.run([sys.executable, "-m", "capibara_exp.cli", "--config-dir", str(conf),
+                          "partitioning=dense_tiny_lm_v5e_4", "--cfg", "job"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr
+    import yaml
+
+    composed = yaml.safe_load(job.stdout)
+    mesh = best["candidate"].split()[0].removeprefix("mesh=").split("x")
+    assert composed["partitioning"]["num_partitions"] == int(mesh[2])
+    mb = int(best["candidate"].split()[1].removeprefix("mb="))
+    assert composed["trainer"]["num_microbatches"] == (mb if mb > 1 else None)
+
+
+@pytest.mark.slow
+def test_measured_mode_times_candidates_on_simulated_devices(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run(
+        [sys.executable, "-m", "capibara_exp.tuning.cli", "topology=cpu",
+         "tune_mesh.search=exhaustive", "tune_mesh.replay_seeds=1", "tune_mesh.measure=true",
+         "tune_mesh.measure_steps=3", "tune_mesh.num_microbatches=[1]",
+         "tune_mesh.remat_policies=[none]", "tune_mesh.fsdp=[false]",
+         f"tune_mesh.conf_dir={tmp_path / 'conf'}", "hydra.run.dir=plan"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "plan" / "mesh_results.json").read_text())
+    assert results["devices"] == "4 local cpu devices"
+    assert results["compiled"] == 3  # 4x1x1, 2x1x2, 1x1x4
+    assert all(r["measured_step_s"] > 0 for r in results["results"])
+    agreement = results["measured_vs_estimated"]
+    assert agreement["candidates"] == 3 and -1.0 <= agreement["spearman"] <= 1.0
+    assert "measured vs estimated" in (tmp_path / "plan" / "mesh_report.md").read_text().lower()
+
+
+def test_tune_mesh_errors(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "capibara_exp.tuning.cli", *args,
+                               "hydra.run.dir=plan"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+
+    out = run("topology=v9-1")
+    assert out.returncode == 2 and "unknown TPU slice 'v9-1'" in out.stderr
+    out = run("topology=v5e-4", "tune_mesh.measure=true")
+    assert out.returncode == 2 and "not attached here" in out.stderr
+    out = run("topology=v5e-4", "tune_mesh.model_partitions=[3]")
+    assert out.returncode == 2 and "no mesh candidate fits" in out.stderr
