@@ -402,10 +402,14 @@ def curve_job(overrides: list[str], number: int) -> dict:
     return {"loss": loss}
 
 
-@pytest.mark.parametrize("pruner", ["median", "percentile", "successive_halving", "hyperband"])
+@pytest.mark.parametrize("pruner, options", [
+    ("median", {}), ("percentile", {}), ("successive_halving", {}), ("hyperband", {}),
+    ("median", {"n_warmup_steps": 3}),  # reaches the jobs: none is pruned before step 3
+])
 def test_every_pruner_stops_bad_trials_which_keep_their_last_value(
-        tmp_path: Path, pruner: str) -> None:
-    cfg = settings(n_trials=8, pruner=pruner, params={"x": "interval(0, 6)"},
+        tmp_path: Path, pruner: str, options: dict) -> None:
+    cfg = settings(n_trials=8, pruner=pruner, pruner_options=options,
+                   params={"x": "interval(0, 6)"},
                    storage=str(tmp_path / "study.journal"))  # a file: quicker to open than SQLite
     xs = [0.3, 0.35, 2.0, 0.32, 3.0, 4.0, 5.0, 6.0]  # two good trials first, then mostly bad
     s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"]))
@@ -419,6 +423,7 @@ def test_every_pruner_stops_bad_trials_which_keep_their_last_value(
     for t in pruned:
         last = max(t.intermediate_values)
         assert last < 8 and t.user_attrs[study.PRUNED_AT] == last  # stopped early
+        assert last >= options.get("n_warmup_steps", 1)  # Optuna: no pruning before warm-up
         assert t.value == t.intermediate_values[last]  # and keeps its last value
     assert s.trials[0].state == s.trials[1].state == TrialState.COMPLETE
 
@@ -585,6 +590,8 @@ def test_every_sampler_drives_a_study(tmp_path: Path, sampler: str) -> None:
         assert set(study._ask(s, study.search_space(cfg, ())).relative_params) == {"x", "y"}
 
 
-def test_sampler_options_are_checked_by_the_sampler(tmp_path: Path) -> None:
+def test_sampler_and_pruner_options_are_checked_by_optuna(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"sampler_options \{'n_startup': 2\} for sampler=tpe"):
         study.run(settings(sampler="tpe", sampler_options={"n_startup": 2}), quadratic, tmp_path)
+    with pytest.raises(ConfigError, match=r"pruner_options \{'warmup': 2\} for pruner=median"):
+        study.run(settings(pruner="median", pruner_options={"warmup": 2}), quadratic, tmp_path)

@@ -8,7 +8,7 @@ from typing import Any
 import optuna
 
 from capibara_exp.runtime.trainer import BaseAction
-from capibara_exp.sweeping.study import PRUNED_AT, make_pruner, make_storage
+from capibara_exp.sweeping.study import PRUNED_AT, PRUNER_OPTIONS, make_pruner, make_storage
 
 
 class OptunaPruning(BaseAction):
@@ -20,6 +20,10 @@ class OptunaPruning(BaseAction):
         trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(
             self.study._study_id, number)
         self.trial = optuna.trial.Trial(self.study, trial_id)
+        # The sweep's pruner keywords travel with the trial, not in the job's overrides.
+        options = self.study._storage.get_trial(trial_id).user_attrs.get(PRUNER_OPTIONS)
+        if options:
+            self.study.pruner = make_pruner(pruner, options)
         self.metric = metric
 
     def run(self, train_state: Any, metrics_by_task: Mapping[str, Mapping[str, float]]) -> bool:

@@ -37,6 +37,7 @@ from capibara_exp.sweeping import space as space_lib
 log = logging.getLogger(__name__)
 
 PRUNED_AT = "pruned_at_step"
+PRUNER_OPTIONS = "pruner_options"  # a trial's job rebuilds its sweep's pruner with these
 ERROR = "error"
 ORPHANED = "its process died"
 STALE = "no heartbeat within the grace period: its machine or process died"
@@ -70,6 +71,7 @@ class SweepSettings:
     worker_index: int = 0  # set on the processes a sweep starts; 0 is the one you started
     params: dict[str, str] = field(default_factory=dict)
     sampler_options: dict[str, Any] = field(default_factory=dict)  # the sampler's keywords
+    pruner_options: dict[str, Any] = field(default_factory=dict)  # the pruner's keywords
     heartbeat_interval: int | None = None  # None: HEARTBEAT_S on non-SQLite RDB; 0: off
     grace_period: int | None = None  # None: twice the heartbeat interval
 
@@ -145,17 +147,26 @@ def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
                           f"{err}") from err
 
 
-def make_pruner(name: str) -> optuna.pruners.BasePruner:
+def make_pruner(name: str, options: dict[str, Any] | None = None) -> optuna.pruners.BasePruner:
+    """The named pruner; `options` are more keyword arguments of its Optuna class
+    (hydra.sweeper.pruner_options, e.g. {n_warmup_steps: 40})."""
+    kw = options or {}
     pruners: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
-        "none": optuna.pruners.NopPruner,
-        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
-        "percentile": lambda: optuna.pruners.PercentilePruner(25.0, n_startup_trials=2),
-        "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-        "hyperband": optuna.pruners.HyperbandPruner,
+        "none": lambda: optuna.pruners.NopPruner(**kw),
+        "median": lambda: optuna.pruners.MedianPruner(
+            **{"n_startup_trials": 2, "n_warmup_steps": 0, **kw}),
+        "percentile": lambda: optuna.pruners.PercentilePruner(
+            **{"percentile": 25.0, "n_startup_trials": 2, **kw}),
+        "successive_halving": lambda: optuna.pruners.SuccessiveHalvingPruner(**kw),
+        "hyperband": lambda: optuna.pruners.HyperbandPruner(**kw),
     }
     if name not in pruners:
         raise ConfigError(f"hydra.sweeper.pruner: '{name}' is not one of {sorted(pruners)}")
-    return pruners[name]()
+    try:
+        return pruners[name]()
+    except (TypeError, ValueError) as err:  # an unknown or bad keyword of the pruner
+        raise ConfigError(f"hydra.sweeper.pruner_options {options} for pruner={name}: "
+                          f"{err}") from err
 
 
 def storage_url(storage: str | None, sweep_dir: Path) -> str:
@@ -215,7 +226,7 @@ def open_study(settings: SweepSettings, url: str, space: space_lib.SearchSpace) 
         study_name=settings.study_name, storage=storage, load_if_exists=True,
         directions=settings.directions,
         sampler=make_sampler(settings.sampler, seed, space, multi, settings.sampler_options),
-        pruner=make_pruner(settings.pruner))
+        pruner=make_pruner(settings.pruner, settings.pruner_options))
 
 
 def fail_orphans(study: optuna.Study) -> list[int]:
@@ -334,6 +345,8 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
         trial.set_user_attr("pid", os.getpid())
         overrides = job_overrides(space, trial.params)
         if pruning:
+            if settings.pruner_options:
+                trial.set_user_attr(PRUNER_OPTIONS, dict(settings.pruner_options))
             overrides.append(trial_override(url, settings, trial.number))
         if settings.compile_cache and not any(
                 f.startswith(CACHE_KEY + "=") for f in space.fixed):
