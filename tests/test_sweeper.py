@@ -590,6 +590,16 @@ def test_every_sampler_drives_a_study(tmp_path: Path, sampler: str) -> None:
         assert set(study._ask(s, study.search_space(cfg, ())).relative_params) == {"x", "y"}
 
 
+def test_sampler_and_pruner_options_are_set_on_the_command_line() -> None:
+    cfg = composed(["hydra/sweeper=capibara_optuna", "hydra.sweeper.pruner=median",
+                    "hydra.sweeper.pruner_options={n_warmup_steps: 40}",
+                    "hydra.sweeper.sampler_options={n_startup_trials: 3}"], hydra=True)
+    cfg = study.SweepSettings(**sweeper_settings(cfg.hydra.sweeper))
+    pruner = study.make_pruner(cfg.pruner, cfg.pruner_options)
+    assert pruner._n_warmup_steps == 40
+    assert cfg.sampler_options == {"n_startup_trials": 3}
+
+
 def test_sampler_and_pruner_options_are_checked_by_optuna(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"sampler_options \{'n_startup': 2\} for sampler=tpe"):
         study.run(settings(sampler="tpe", sampler_options={"n_startup": 2}), quadratic, tmp_path)

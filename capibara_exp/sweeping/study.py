@@ -70,8 +70,10 @@ class SweepSettings:
     compile_cache: bool = True  # trials share XLA's compilation cache in the sweep dir
     worker_index: int = 0  # set on the processes a sweep starts; 0 is the one you started
     params: dict[str, str] = field(default_factory=dict)
-    sampler_options: dict[str, Any] = field(default_factory=dict)  # the sampler's keywords
-    pruner_options: dict[str, Any] = field(default_factory=dict)  # the pruner's keywords
+    # More keywords of the Optuna sampler and pruner. null in the YAML (a {} there would be
+    # a struct node that refuses `hydra.sweeper.pruner_options={n_warmup_steps: 40}`).
+    sampler_options: dict[str, Any] | None = None
+    pruner_options: dict[str, Any] | None = None
     heartbeat_interval: int | None = None  # None: HEARTBEAT_S on non-SQLite RDB; 0: off
     grace_period: int | None = None  # None: twice the heartbeat interval
 
@@ -84,6 +86,8 @@ class SweepSettings:
         return [self.metric] if isinstance(self.metric, str) else list(self.metric)
 
     def __post_init__(self) -> None:
+        self.sampler_options = dict(self.sampler_options or {})
+        self.pruner_options = dict(self.pruner_options or {})
         if len(self.directions) != len(self.metrics):
             raise ConfigError(f"hydra.sweeper: {len(self.directions)} direction(s) but "
                               f"{len(self.metrics)} metric(s); give one direction per metric")
