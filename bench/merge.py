@@ -122,6 +122,8 @@ def end_to_end(n: int, mb: int, reps: int, rng: np.random.Generator) -> None:
         sample = [rng.standard_normal(side * side, dtype=np.float32) for _ in range(n)]
         dst = np.empty_like(sample[0])
         index = store.leaf_index(cands[0])
+        print(f"2. end to end: merge() of {n} T5X-layout checkpoints x "
+              f"{2 * side * side * 4 >> 20} MB on disk (page cache) into a new one, {reps} reps:")
 
         def reads_only() -> float:  # TensorStore reads and zstd decoding of every input leaf
             t0 = time.perf_counter()
