@@ -23,10 +23,11 @@ from capibara_exp.tuning import hlo
 from capibara_exp.tuning.estimate import Estimate, estimate
 from capibara_exp.tuning.topology import Chip
 
-# XLA:TPU refuses a program over HBM at compile time: "Ran out of memory in memory space
-# hbm. Used 20.5G of 15.75G hbm. Exceeded hbm capacity by 4.75G."
+# XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
+# memory on HBM, the total memory required for HLO temporaries (27.11G) exceeds available
+# HBM (15.75G)", or "Used 20.5G of 15.75G hbm".
 _OOM_RE = re.compile(r"(RESOURCE_EXHAUSTED|[Rr]an out of memory|Exceeded hbm capacity)")
-_USED_RE = re.compile(r"Used ([\d.]+)([KMGT])? of ([\d.]+)([KMGT])? hbm")
+_USED_RE = re.compile(r"(?:Used|required for HLO temporaries \()\s*([\d.]+)([KMGT])?")
 _UNITS = {None: 1, "": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -77,7 +78,8 @@ def memory_per_chip(compiled: Any) -> float:
                  + stats.generated_code_size_in_bytes)
 
 
-def _oom_bytes(message: str) -> float:
+def oom_bytes(message: str) -> float:
+    """What an out-of-HBM compile error says the step needs per chip (0 if it does not)."""
     used = _USED_RE.search(message)
     return float(used.group(1)) * _UNITS[used.group(2)] if used else 0.0
 
@@ -119,7 +121,7 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
         message = _one_line(err)
         if _OOM_RE.search(message):
             return Compiled(False, f"out of HBM: {message}", time.perf_counter() - t0,
-                            _oom_bytes(message))
+                            oom_bytes(message))
         return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
     memory = memory_per_chip(compiled)

@@ -13,6 +13,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.paths import CONF_DIR
+from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.measure import spearman
 from capibara_exp.tuning.search import Result
 from capibara_exp.tuning.space import Candidate
@@ -36,7 +37,8 @@ def _ms(seconds: float) -> str:
 
 def _row(r: Result) -> str:
     c, rec = r.candidate, r.record
-    memory = f"{rec.get('memory_bytes', 0) / GIB:.2f}" if rec.get("memory_bytes") else "-"
+    needed = rec.get("memory_bytes") or oom_bytes(rec.get("reason", ""))
+    memory = f"{needed / GIB:.2f}" if needed else "-"
     if r.feasible:
         est = _ms(rec["est_step_s"])
         mfu = f"{rec['est_mfu']:.1%}"
@@ -142,7 +144,8 @@ def plot(path: Path, ranked: Sequence[Result], chip: Chip, title: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("estimated MFU (%)")
     ax = axes[0][1]
-    ax.barh(ys, [r.record.get("memory_bytes", 0) / GIB for r in shown],
+    ax.barh(ys, [(r.record.get("memory_bytes") or oom_bytes(r.record.get("reason", ""))) / GIB
+                 for r in shown],
             color=["tab:green" if r.feasible else "tab:red" for r in shown])
     ax.axvline(chip.hbm_bytes / GIB, color="black", linestyle="--", label="HBM per chip")
     ax.set_yticks(list(ys), [])
