@@ -34,5 +34,6 @@ def test_experiment_compiles_for_its_topology(name):
     assert compiled.feasible, compiled.reason
     assert 0 < compiled.memory_bytes <= 0.95 * chip.hbm_bytes
     # The step does at least the model's FLOPs (more with remat), and the estimate is a time.
-    assert compiled.flops >= 0.95 * compiled.model_flops > 0
-    assert 0 < compiled.estimate.mfu < 1
+    record = compiled.record()
+    assert record["flops"] >= 0.95 * record["model_flops"] > 0
+    assert 0 < record["est_mfu"] < 1

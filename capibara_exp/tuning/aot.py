@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from capibara_exp import gin_bridge
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.tuning import hlo
-from capibara_exp.tuning.estimate import Estimate, estimate
+from capibara_exp.tuning.estimate import estimate
 from capibara_exp.tuning.topology import Chip
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
@@ -33,24 +33,34 @@ _UNITS = {None: 1, "": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40
 
 @dataclasses.dataclass
 class Compiled:
-    """What one compile of a candidate tells: memory per chip, the HLO profile, an estimate."""
+    """What one compile of a candidate tells: memory per chip, and from the HLO profile the
+    FLOPs, bytes, collectives and estimated step time (`profiled`, see profile_fields)."""
 
     feasible: bool
     reason: str  # why not, or "" when feasible
     compile_s: float = 0.0
     memory_bytes: float = 0.0  # per chip: XLA's peak, or what the OOM message says it needs
-    flops: float = 0.0  # per chip per step, matmuls (HLO profile)
-    hbm_bytes: float = 0.0
-    collective_bytes: float = 0.0
     model_flops: float = 0.0  # per chip per step, PaLM's analytic count
-    estimate: Estimate | None = None
     xla_flops: float = 0.0  # cost_analysis()'s figure, for comparison (loops counted once)
+    profiled: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hlo_text: str = dataclasses.field(default="", repr=False)
 
     def record(self) -> dict[str, Any]:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "estimate"}
-        if self.estimate:
-            out.update({f"est_{k}": v for k, v in dataclasses.asdict(self.estimate).items()})
-        return out
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("profiled", "hlo_text")}
+        return {**out, **self.profiled}
+
+
+def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: float
+                   ) -> dict[str, Any]:
+    """Per-chip matmul FLOPs, HBM bytes, collective bytes and the step estimate (est_*) of
+    a compiled step's HLO, tagged with the profiler's version (a newer one re-reads it)."""
+    profile = hlo.profile(hlo_text, num_devices)
+    est = estimate(profile, chip, model_flops)
+    return {"flops": profile.flops, "hbm_bytes": profile.hbm_bytes,
+            "collective_bytes": profile.collective_bytes,
+            "profile_version": hlo.PROFILE_VERSION,
+            **{f"est_{k}": v for k, v in dataclasses.asdict(est).items()}}
 
 
 def render_local_gin(cfg: DictConfig) -> str:
@@ -125,13 +135,12 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
         return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
     memory = memory_per_chip(compiled)
-    profile = hlo.profile(compiled.as_text(), len(devices))
+    text = compiled.as_text()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else {}
-    result = Compiled(True, "", compile_s, memory, profile.flops, profile.hbm_bytes,
-                      profile.collective_bytes, model_flops,
-                      estimate(profile, chip, model_flops), float(cost.get("flops", 0.0)))
+    result = Compiled(True, "", compile_s, memory, model_flops, float(cost.get("flops", 0.0)),
+                      profile_fields(text, len(devices), chip, model_flops), text)
     budget = (1.0 - hbm_margin) * chip.hbm_bytes
     if memory > budget:
         result.feasible = False

@@ -31,6 +31,9 @@ import numpy as np
 BYTES_PER_ELEMENT = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
                      "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                      "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# Bumped when the profile would read the same HLO differently: cached results re-read
+# their saved HLO (tuning/plan.py) instead of keeping stale estimates.
+PROFILE_VERSION = 2
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # Ops that move no data of their own: views, tuples, control, and the second half of
 # async pairs (the `-start` op carries the shapes).
@@ -349,8 +352,84 @@ def group_size(attrs: str, num_devices: int) -> int:
     return num_devices  # replica_groups={}: every device
 
 
+_SLICES = ("dynamic-slice", "slice")
+_VIEWS = ("bitcast", "reshape", "copy")
+
+
+def _users(comp: Computation) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = defaultdict(list)
+    for instr in comp.instructions:
+        for operand in instr.operands:
+            users[operand].append(instr)
+    return users
+
+
+def _read_bytes(name: str, full: float, users: dict[str, list[Instruction]]) -> float:
+    """Bytes an op reads of one input: only the slices where slicing is all it does with it
+    (a scan reading layer i of stacked weights), none where it is the buffer an in-place
+    dynamic-update-slice writes into, else all of it."""
+    uses = users.get(name, [])
+    if not uses:
+        return 0.0
+    read = 0.0
+    for use in uses:
+        if use.opcode in _SLICES and use.operands[0] == name:
+            read += use.result_bytes
+        elif use.opcode == "dynamic-update-slice" and use.operands[0] == name:
+            continue
+        elif use.opcode in _VIEWS and len(use.operands) == 1:
+            read += _read_bytes(use.name, full, users)
+        else:
+            return full
+    return min(read, full)
+
+
+def _written_bytes(instr: Instruction, comp: Computation) -> float:
+    """Bytes an op writes: a dynamic-update-slice writes its update, in place."""
+    if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
+        return shape_bytes(comp.shapes.get(instr.operands[1], ""))
+    if instr.opcode == "tuple":
+        by_name = {i.name: i for i in comp.instructions}
+        return sum(_written_bytes(by_name[o], comp) if o in by_name else
+                   shape_bytes(comp.shapes.get(o, "")) for o in instr.operands)
+    return instr.result_bytes
+
+
+def _op_bytes(instr: Instruction, comp: Computation, comps: dict[str, Computation]) -> float:
+    """HBM bytes of one top-level op: what it reads of its operands plus what it writes."""
+    if instr.opcode in _SLICES:
+        return 2.0 * instr.result_bytes
+    if instr.opcode == "dynamic-update-slice":
+        return 2.0 * _written_bytes(instr, comp)
+    callee = next((c for r, c in _callees(instr) if r == "calls"), None)
+    body = comps.get(callee or "") if instr.opcode == "fusion" else None
+    if body is None or not body.instructions:
+        return (sum(shape_bytes(comp.shapes.get(o, "")) for o in instr.operands)
+                + instr.result_bytes)
+    params = {int(i.args): i.name for i in body.instructions
+              if i.opcode == "parameter" and i.args.strip().isdigit()}
+    users = _users(body)
+    read = sum(_read_bytes(params[k], shape_bytes(comp.shapes.get(o, "")), users)
+               if k in params else shape_bytes(comp.shapes.get(o, ""))
+               for k, o in enumerate(instr.operands))
+    return read + _written_bytes(body.instructions[-1], body)
+
+
+def _collective(instr: Instruction, comp: Computation, num_devices: int, times: float
+                ) -> Collective:
+    base = instr.opcode.removesuffix("-start")
+    operand_bytes = sum(shape_bytes(comp.shapes.get(o, "")) for o in instr.operands)
+    payload = instr.result_bytes if base == "all-gather" else operand_bytes
+    if instr.opcode.endswith("-start") and base == "all-gather":
+        payload = instr.result_bytes / 2  # ((operand), (result)) tuple
+    return Collective(base, payload, group_size(instr.attrs, num_devices), times)
+
+
 def profile(text: str, num_devices: int) -> StepProfile:
-    """Per-device FLOPs, HBM bytes, collectives and per-op costs of one compiled step."""
+    """Per-device FLOPs, HBM bytes, collectives and per-op costs of one compiled step.
+
+    Collectives count wherever they are, fusions included (TPU wraps some in async
+    collective fusions); FLOPs and bytes count per top-level op, a fusion's from its body."""
     comps = parse(text)
     runs, fused = counts(comps)
     memo: dict[str, float] = {}
@@ -370,25 +449,19 @@ def profile(text: str, num_devices: int) -> StepProfile:
     ops: list[tuple[float, float, float]] = []
     for name, times in runs.items():
         comp = comps.get(name)
-        if comp is None or name in fused or times == 0:
+        if comp is None or times == 0:
             continue
         for instr in comp.instructions:
-            base = instr.opcode.removesuffix("-start")
-            if instr.opcode in _FREE_OPS or instr.opcode.endswith(_DONE_SUFFIX):
+            if instr.opcode.removesuffix("-start") in COLLECTIVES:
+                collectives.append(_collective(instr, comp, num_devices, times))
                 continue
-            operand_bytes = sum(shape_bytes(comp.shapes.get(o, "")) for o in instr.operands)
-            if base in COLLECTIVES:
-                payload = instr.result_bytes if base == "all-gather" else operand_bytes
-                if instr.opcode.endswith("-start") and base == "all-gather":
-                    payload = instr.result_bytes / 2  # ((operand), (result)) tuple
-                collectives.append(Collective(base, payload,
-                                              group_size(instr.attrs, num_devices), times))
+            if name in fused or instr.opcode in _FREE_OPS or instr.opcode.endswith(_DONE_SUFFIX):
                 continue
             flops = matmul_flops(instr, comp.shapes)
             for role, callee in _callees(instr):
                 if role == "calls" and callee in fused and callee in comps:
                     flops += fused_flops(callee)
-            moved = operand_bytes + instr.result_bytes
+            moved = _op_bytes(instr, comp, comps)
             total_flops += flops * times
             total_bytes += moved * times
             ops.append((flops, moved, times))

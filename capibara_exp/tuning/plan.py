@@ -8,6 +8,8 @@ write the report and a conf/partitioning entry for the winner (tuning/report).
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -17,12 +19,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.gin_bridge import ConfigError
-from capibara_exp.tuning import aot, report, search, space, topology
+from capibara_exp.tuning import aot, hlo, report, search, space, topology
 from capibara_exp.tuning.topology import Chip
 
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
 STUDY_DB = "mesh_study.db"
 CACHE = "candidates.jsonl"
+HLO_DIR = "hlo"
 
 
 def experiment_config(cfg: DictConfig) -> DictConfig:
@@ -57,6 +60,29 @@ def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return topology.devices(topo), topo.chip, f"{topo.name} ({topo.jax_name}, {topo.chips} chips)"
+
+
+def save_hlo(out_dir: Path, cand: space.Candidate, text: str) -> str:
+    """The compiled step's HLO, gzipped under <run dir>/hlo/; its path relative to out_dir."""
+    name = hashlib.sha1(cand.key.encode()).hexdigest()[:16]
+    path = out_dir / HLO_DIR / f"{name}.hlo.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(text.encode(), compresslevel=6))
+    return str(path.relative_to(out_dir))
+
+
+def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) -> int:
+    """Re-read the saved HLO of results profiled by an older profiler; how many changed."""
+    stale = [r for r in cache.results.values()
+             if r.record.get("hlo_file") and r.record.get("profile_version") != hlo.PROFILE_VERSION
+             and (out_dir / r.record["hlo_file"]).exists()]
+    for result in stale:
+        text = gzip.decompress((out_dir / result.record["hlo_file"]).read_bytes()).decode()
+        result.record.update(aot.profile_fields(text, num_devices, chip,
+                                                result.record["model_flops"]))
+    if stale:
+        cache.rewrite()
+    return len(stale)
 
 
 def build_candidates(cfg: DictConfig, chips: int) -> list[space.Candidate]:
@@ -97,6 +123,8 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
         cand_cfg = with_overrides(base, cand.overrides(moe))
         compiled = aot.compile_step(cand_cfg, devices, chip, s.hbm_margin)
         record = compiled.record()
+        if compiled.hlo_text:  # kept, so a better profiler can re-read it without compiling
+            record["hlo_file"] = save_hlo(out_dir, cand, compiled.hlo_text)
         status = (f"est {record['est_step_s'] * 1e3:.1f} ms, MFU {record['est_mfu']:.1%}, "
                   f"{compiled.memory_bytes / 2**30:.2f} GiB" if compiled.feasible
                   else compiled.reason[:120])
@@ -113,6 +141,7 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
         return record
 
     cache = search.Cache(out_dir / CACHE)
+    reprofile(cache, out_dir, len(devices), chip)
     replay = None
     if s.search == "exhaustive":
         results = search.exhaustive(cands, cache, evaluate)

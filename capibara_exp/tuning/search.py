@@ -56,6 +56,13 @@ class Cache:
                 cand = Candidate(**row["candidate"])
                 self.results[cand] = Result(cand, row["record"])
 
+    def rewrite(self) -> None:
+        """Write every result again (after records were updated in place)."""
+        if self.path:
+            self.path.write_text("".join(
+                json.dumps({"candidate": dataclasses.asdict(c), "record": r.record}) + "\n"
+                for c, r in self.results.items()))
+
     def get(self, cand: Candidate, evaluate: Evaluate) -> Result:
         if cand not in self.results:
             result = Result(cand, evaluate(cand))
