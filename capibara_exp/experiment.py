@@ -155,6 +155,7 @@ def run(cfg: DictConfig) -> dict | None:
 
         distributed.initialize(cfg.distributed)
         _compilation_cache(cfg.get("compilation_cache_dir"))
+        _share_inputs(hc.mode)
         gin_utils.run_train(path, actions=_sweep_actions(cfg))
         _copy_operative_config(Path(cfg.model_dir), run_dir)
         metrics = last_metrics(Path(cfg.model_dir), "train_eval")
@@ -175,6 +176,17 @@ def _compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _share_inputs(mode: object) -> None:
+    """The jobs of a multirun that run in this process (the sweeper's trials, Hydra's basic
+    launcher) read the same data: later ones replay the batches earlier ones made."""
+    from hydra.types import RunMode
+
+    if mode == RunMode.MULTIRUN:
+        from capibara_exp.runtime import inputs
+
+        inputs.share_across_runs()
 
 
 def _sweep_actions(cfg: DictConfig) -> dict | None:

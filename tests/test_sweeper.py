@@ -605,3 +605,44 @@ def test_sampler_and_pruner_options_are_checked_by_optuna(tmp_path: Path) -> Non
         study.run(settings(sampler="tpe", sampler_options={"n_startup": 2}), quadratic, tmp_path)
     with pytest.raises(ConfigError, match=r"pruner_options \{'warmup': 2\} for pruner=median"):
         study.run(settings(pruner="median", pruner_options={"warmup": 2}), quadratic, tmp_path)
+
+
+# ----------------------------------------------------------------------------- input reuse
+
+
+def test_trials_in_one_process_replay_the_batches_a_new_pipeline_makes(data_dir: Path) -> None:
+    import numpy as np
+    import seqio
+
+    from capibara_exp.runtime import inputs
+    from capibara_exp.runtime.config import DatasetConfig
+
+    cfg = DatasetConfig("capibara_bytes_lm", {"targets": 32}, "train", 4, True, None,
+                        pack=True, module="capibara_exp.data.tasks")
+    conv = seqio.DecoderFeatureConverter
+
+    def take(n: int, seed: int | None = 7, skip: int = 0) -> list[dict]:
+        it = inputs.batches(cfg, conv, seed, skip_batches=skip)
+        return [next(it) for _ in range(n)]
+
+    fresh = take(6)  # sharing is off: a new pipeline
+    inputs.share_across_runs()
+    try:
+        first = take(3)  # a first trial: a new pipeline, its batches kept
+        resumed = take(5, skip=1)  # a later one resuming at batch 1: 2 kept, then 3 more made
+        again = take(1, skip=5)
+        other_seed, unseeded, unseeded_again = take(1, seed=8), take(1, None), take(1, None)
+    finally:
+        inputs.share_across_runs(False)
+    for got, want in [(first, fresh[:3]), (resumed, fresh[1:6]), (again, fresh[5:6])]:
+        assert [sorted(b) for b in got] == [sorted(b) for b in want]
+        for b, w in zip(got, want, strict=True):
+            for k in w:
+                np.testing.assert_array_equal(b[k], w[k], err_msg=k)
+    # Replayed, not remade: the kept batches themselves, read-only for every run.
+    assert resumed[0] is first[1] and resumed[1] is first[2] and again[0] is resumed[4]
+    assert not first[0]["decoder_target_tokens"].flags.writeable
+    # Another seed is another stream; an unseeded shuffle is never replayed.
+    assert not np.array_equal(other_seed[0]["decoder_target_tokens"],
+                              fresh[0]["decoder_target_tokens"])
+    assert unseeded[0] is not unseeded_again[0]

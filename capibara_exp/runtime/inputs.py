@@ -4,14 +4,20 @@ With `pack` and a kernel packer (capibara_exp/data/packing.py: 'first_fit', the 
 or 'next_fit'), tf.data only reads, preprocesses and trims the examples, in chunks; the
 Cython kernel packs each chunk and numpy forms seqio's decoder features, on a producer
 thread ahead of the train step. 'seqio' (or `pack=False`) uses seqio's feature converter.
+
+A process running several runs on the same data (a sweep's trials) can keep the batches it
+made and replay them (share_across_runs): the same data set, seed and packer give the same
+stream, so later runs skip building a tf.data pipeline for what an earlier run already read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import seqio
@@ -24,6 +30,13 @@ INPUT_THREADS = 1
 # Examples per kernel call with first-fit (next-fit uses seqio's chunk, the row length).
 FIRST_FIT_CHUNK = 1024
 PREFETCH_BATCHES = 4
+# Replayed streams (share_across_runs): bytes kept per stream, and streams kept at most (the
+# oldest go first). A trial's train stream and its train-eval batches are two streams.
+KEPT_BYTES_PER_STREAM = 64 << 20
+KEPT_STREAMS = 4
+# The project's tasks read their files under this directory (data/tasks.py), so the same
+# task name over another data dir is another stream.
+DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
 
 
 def import_modules(cfg: DatasetConfig) -> None:
@@ -42,6 +55,52 @@ def _options() -> tf.data.Options:
     return options
 
 
+@dataclasses.dataclass
+class _Kept:
+    """The first batches of a stream, as made, and whether they are the whole stream."""
+
+    batches: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    complete: bool = False
+
+
+_kept: dict[tuple, _Kept] | None = None  # None: nothing is shared (share_across_runs)
+
+
+def share_across_runs(on: bool = True) -> None:
+    """Keep the batches runs in this process make, and replay them to later runs that read
+    the same stream (data set, split, seed, lengths, batch, packer, data dir).
+
+    For the trials of a sweep run in one process (experiment.run turns it on in a multirun):
+    their data is the same, so from the second trial on the train batches an earlier trial
+    already read and the train-eval batches come from memory, and a pipeline is built only
+    for batches past them. Off by default (a process that changes a data set's files between
+    runs must not be served the old batches); `on=False` turns it off and drops what is kept."""
+    global _kept
+    if not on:
+        _kept = None
+    elif _kept is None:
+        _kept = {}
+
+
+def _kernel_packs(cfg: DatasetConfig, packer: packing.Packer) -> bool:
+    """Whether the kernel packer makes this data set's batches (else seqio's converter)."""
+    return bool(cfg.pack) and packer.strategy != "seqio" and list(
+        cfg.task_feature_lengths) == ["targets"]
+
+
+def _stream_key(cfg: DatasetConfig, feature_converter_cls: type, seed: int | None,
+                repeat: bool, packer: packing.Packer) -> tuple:
+    # seqio's converter shapes the batches on its path; the kernel path uses only the label
+    # feature a converter class names (carrying_labels makes a new class per call).
+    label = packing.label_feature_of(feature_converter_cls)
+    converter = (label, None if label else feature_converter_cls)
+    modules = (cfg.module,) if isinstance(cfg.module, str) else tuple(cfg.module or ())
+    return (cfg.mixture_or_task_name, tuple(sorted(cfg.task_feature_lengths.items())),
+            cfg.split, cfg.batch_size, cfg.shuffle, cfg.pack, cfg.trim_output_features,
+            modules, seed, repeat, packer, converter, os.environ.get(DATA_DIR_ENV))
+
+
 def batches(
     cfg: DatasetConfig,
     feature_converter_cls: type,
@@ -52,19 +111,72 @@ def batches(
 ) -> Iterator[dict[str, np.ndarray]]:
     """Batches of a data set, deterministic for a seed; `skip_batches` resumes mid-stream.
 
-    A converter class made by packing.carrying_labels adds its label feature per token."""
+    A converter class made by packing.carrying_labels adds its label feature per token.
+    With share_across_runs on, the stream's batches are kept (read-only) and replayed."""
     import_modules(cfg)
     packer = packer or packing.configured_packer()
     label_feature = packing.label_feature_of(feature_converter_cls)
-    if cfg.pack and packer.strategy != "seqio" and list(cfg.task_feature_lengths) == ["targets"]:
-        return _kernel_batches(cfg, packer, seed, skip_batches, repeat, label_feature)
-    if label_feature:
+    if label_feature and not _kernel_packs(cfg, packer):
         raise ValueError(
             f"{cfg.mixture_or_task_name}: the model asks for the task feature '{label_feature}' "
             "per token (moe_models.MoeDecoderOnlyModel.router_label_feature), which only the "
             f"local engine's kernel packer carries; got pack={cfg.pack}, packing strategy "
             f"'{packer.strategy}', features {sorted(cfg.task_feature_lengths)}: set "
             "data.pack=true and data.packing=first_fit or next_fit (conf/data/)")
+
+    def live(skip: int) -> Iterator[dict[str, np.ndarray]]:
+        return _live_batches(cfg, feature_converter_cls, seed, skip, repeat, packer)
+
+    if _kept is None or (cfg.shuffle and seed is None):  # unseeded: no two streams alike
+        return live(skip_batches)
+    key = _stream_key(cfg, feature_converter_cls, seed, repeat, packer)
+    kept = _kept.pop(key, None) or _Kept()
+    _kept[key] = kept  # the most recently used last
+    while len(_kept) > KEPT_STREAMS:
+        del _kept[next(iter(_kept))]
+    return _replay(kept, live, skip_batches)
+
+
+def _replay(kept: _Kept, live: Callable[[int], Iterator[dict[str, np.ndarray]]],
+            skip: int) -> Iterator[dict[str, np.ndarray]]:
+    """kept's batches from `skip` on, then a live stream from where they end, kept too while
+    it continues them and the stream is under KEPT_BYTES_PER_STREAM."""
+    i = skip
+    while i < len(kept.batches):
+        yield kept.batches[i]
+        i += 1
+    if kept.complete:
+        return
+    stream = live(i)
+    try:
+        for batch in stream:
+            size = sum(v.nbytes for v in batch.values())
+            if i == len(kept.batches) and kept.nbytes + size <= KEPT_BYTES_PER_STREAM:
+                for v in batch.values():
+                    v.setflags(write=False)  # shared by later runs: nobody may change it
+                kept.batches.append(batch)
+                kept.nbytes += size
+            i += 1
+            yield batch
+        kept.complete = i == len(kept.batches)  # a finite stream read to its end, all kept
+    finally:
+        close = getattr(stream, "close", None)
+        if close:
+            close()
+
+
+def _live_batches(
+    cfg: DatasetConfig,
+    feature_converter_cls: type,
+    seed: int | None,
+    skip_batches: int,
+    repeat: bool,
+    packer: packing.Packer,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Batches from a new pipeline (tf.data, and the kernel packer on its own thread)."""
+    label_feature = packing.label_feature_of(feature_converter_cls)
+    if _kernel_packs(cfg, packer):
+        return _kernel_batches(cfg, packer, seed, skip_batches, repeat, label_feature)
     ds = seqio.get_dataset(
         cfg.mixture_or_task_name,
         cfg.task_feature_lengths,
