@@ -23,13 +23,24 @@ N_TRIALS = 12
 SLEEP_S = 0.02  # a job's duration
 
 
-def work(url: str, index: int, log: str) -> None:
+def wait_for_peers(log: str, peers: int, timeout_s: float = 120.0) -> None:
+    """Hold a trial until every worker has started one: a worker that imports faster must not
+    finish the whole study before its peers pull their first trial."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len({line.split()[0] for line in Path(log).read_text().splitlines()}) >= peers:
+            return
+        time.sleep(0.01)
+
+
+def work(url: str, index: int, log: str, peers: int = 1) -> None:
     """One worker: the sweep loop with a job that records which process ran which trial."""
 
     def job(overrides: list[str], number: int) -> dict:
         with open(log, "a") as f:  # O_APPEND: lines from two processes do not interleave
             f.write(f"{os.getpid()} {number}\n")
-        time.sleep(SLEEP_S)  # long enough for the workers to overlap
+        wait_for_peers(log, peers)
+        time.sleep(SLEEP_S)
         x = float(dict(o.split("=") for o in overrides)["x"])
         return {"loss": (x - 0.3) ** 2}
 
@@ -42,9 +53,9 @@ def work(url: str, index: int, log: str) -> None:
 def run_workers(url: str, tmp_path: Path, n: int = 2) -> list[tuple[str, int]]:
     log = tmp_path / "ran.log"
     code = ("import sys; from tests.test_sweeper_workers import work; "
-            "work(sys.argv[1], int(sys.argv[2]), sys.argv[3])")
-    procs = [subprocess.Popen([sys.executable, "-c", code, url, str(i), str(log)], cwd=ROOT,
-                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+            "work(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, url, str(i), str(log), str(n)],
+                              cwd=ROOT, stderr=subprocess.PIPE, text=True) for i in range(n)]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
