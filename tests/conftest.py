@@ -24,7 +24,30 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One data dir for the whole session; tasks build their files there on first read."""
-    path = Path(os.environ.get("CAPIBARA_TEST_DATA_DIR") or tmp_path_factory.mktemp("data"))
+    """One data dir for the whole session; tasks build their files there on first read.
+    pytest-xdist's workers share it (the corpus is written atomically and the routing build
+    holds a lock, so one worker builds while the others wait)."""
+    shared = (tmp_path_factory.getbasetemp().parent / "data"
+              if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.mktemp("data"))
+    path = Path(os.environ.get("CAPIBARA_TEST_DATA_DIR") or shared)
+    path.mkdir(parents=True, exist_ok=True)
     os.environ["CAPIBARA_DATA_DIR"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """JAX's persistent compilation cache for the session, shared by pytest-xdist's workers
+    and inherited by every subprocess a test starts: the many small runs of the same tiny
+    model compile their steps once. Only the XLA backend compile is cached (keyed by the
+    program, devices and flags), so what a test checks is unchanged."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     return path

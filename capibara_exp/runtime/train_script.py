@@ -113,7 +113,7 @@ def initial_state(model: Any, rng: jax.Array, batch_size: int, length: int
                   ) -> tuple[TrainState, TrainState]:
     """(state, logical axes of the state) for a model and an input shape."""
     variables = model.get_initial_variables(rng, batch_size, length)
-    return _state_and_axes(model, variables, model.optimizer_def.optax_optimizer.init,
+    return _state_and_axes(model, variables, jax.jit(model.optimizer_def.optax_optimizer.init),
                            jnp.asarray(0, jnp.int32))
 
 
