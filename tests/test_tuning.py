@@ -210,6 +210,11 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     first.record.update(profile_version=0, est_step_s=-1.0)
     assert plan.reprofile(cache, tmp_path / "plan", 4, topology.V5E) == 1
     assert first.record == want
+    # Without its HLO, an older profiler's result is dropped, to be compiled again.
+    first.record.update(profile_version=0)
+    (tmp_path / "plan" / first.record["hlo_file"]).unlink()
+    assert plan.reprofile(cache, tmp_path / "plan", 4, topology.V5E) == 0
+    assert first.candidate not in search.Cache(tmp_path / "plan" / plan.CACHE).results
     assert (tmp_path / "plan" / "mesh_report.png").stat().st_size > 10_000
     assert "| mesh data x expert x model |" in (tmp_path / "plan" / "mesh_report.md").read_text()
     entry = conf / "partitioning" / "dense_tiny_lm_v5e_4.yaml"

@@ -72,17 +72,26 @@ def save_hlo(out_dir: Path, cand: space.Candidate, text: str) -> str:
 
 
 def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) -> int:
-    """Re-read the saved HLO of results profiled by an older profiler; how many changed."""
+    """Bring results of an older profiler up to date: re-read their saved HLO, or, where none
+    was kept, drop them so they compile again. Returns how many were re-read."""
     stale = [r for r in cache.results.values()
-             if r.record.get("hlo_file") and r.record.get("profile_version") != hlo.PROFILE_VERSION
-             and (out_dir / r.record["hlo_file"]).exists()]
+             if r.record.get("feasible") and r.record.get("profile_version") != hlo.PROFILE_VERSION]
+    reread = 0
     for result in stale:
-        text = gzip.decompress((out_dir / result.record["hlo_file"]).read_bytes()).decode()
-        result.record.update(aot.profile_fields(text, num_devices, chip,
-                                                result.record["model_flops"]))
+        saved = out_dir / result.record["hlo_file"] if result.record.get("hlo_file") else None
+        if saved is not None and saved.exists():
+            text = gzip.decompress(saved.read_bytes()).decode()
+            result.record.update(aot.profile_fields(text, num_devices, chip,
+                                                    result.record["model_flops"]))
+            reread += 1
+        else:
+            del cache.results[result.candidate]
+            logging.getLogger("capibara_exp.tune_mesh").info(
+                "%s: profiled by an older profiler and its HLO was not kept; compiling it again",
+                result.candidate.key)
     if stale:
         cache.rewrite()
-    return len(stale)
+    return reread
 
 
 def build_candidates(cfg: DictConfig, chips: int) -> list[space.Candidate]:
