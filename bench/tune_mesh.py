@@ -63,8 +63,8 @@ def base_compile_times(out: Path, candidates: int) -> None:
 def trials_to_optimum(out: Path, seeds: int) -> None:
     results = tune(out, "experiment=dense_tiny_lm", "topology=v5e-8",
                    "tune_mesh.search=exhaustive", "tune_mesh.replay_seeds=1",
-                   "tune_mesh.num_microbatches=[1,2,4]", "tune_mesh.remat_policies=[none,dots,full]",
-                   "tune_mesh.fsdp=[false,true]")
+                   "tune_mesh.num_microbatches=[1,2,4]",
+                   "tune_mesh.remat_policies=[none,dots,full]", "tune_mesh.fsdp=[false,true]")
     cache = search.Cache(out / "candidates.jsonl")
     cands = sorted(cache.results)
     table: dict[Candidate, search.Result] = dict(cache.results)
