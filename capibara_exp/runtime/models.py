@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,6 +34,30 @@ def cross_entropy_with_z_loss(logits_BxLxV: jnp.ndarray, targets_BxL: jnp.ndarra
     xent_BxL = -jnp.sum(soft_BxLxV * log_softmax_BxLxV, axis=-1) - normalizer
     z_BxL = z_loss * jnp.square(log_z_BxL)
     return xent_BxL + z_BxL, z_BxL
+
+
+def _init_program(module: Any, batch_size: int, length: int) -> Callable[[jax.Array], Any]:
+    def init(rng: jax.Array) -> Any:
+        tokens = jnp.ones((batch_size, length), jnp.int32)
+        return module.init({"params": rng, "dropout": rng}, tokens, tokens, tokens,
+                           jnp.broadcast_to(jnp.arange(length), tokens.shape),
+                           enable_dropout=False)
+
+    return jax.jit(init)
+
+
+_cached_init_program = functools.lru_cache(maxsize=8)(_init_program)
+
+
+def _initializer(module: Any, batch_size: int, length: int) -> Callable[[jax.Array], Any]:
+    """The jitted init of a module; kept per (module, shape), so runs in one process (a
+    sweep's trials) with equal networks trace and compile it once. Flax modules compare and
+    hash by their fields."""
+    try:
+        hash(module)
+    except TypeError:  # a field that does not hash: no sharing
+        return _init_program(module, batch_size, length)
+    return _cached_init_program(module, batch_size, length)
 
 
 class DecoderOnlyModel:
@@ -69,14 +95,7 @@ class DecoderOnlyModel:
         """Initial 'params' and 'params_axes' for inputs of [batch_size, length], computed as
         one compiled program, as T5X does (op by op, even a small model spends seconds
         compiling each op)."""
-
-        def init(rng: jax.Array) -> Any:
-            tokens = jnp.ones((batch_size, length), jnp.int32)
-            return self.module.init({"params": rng, "dropout": rng}, tokens, tokens, tokens,
-                                    jnp.broadcast_to(jnp.arange(length), tokens.shape),
-                                    enable_dropout=False)
-
-        return unfreeze(jax.jit(init)(rng))
+        return unfreeze(_initializer(self.module, batch_size, length)(rng))
 
     def _compute_logits(self, params: Any, batch: Batch, dropout_rng: jax.Array | None,
                         mutable: Any = False) -> Any:
