@@ -22,14 +22,18 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         return compose("config", overrides=["model_dir=/tmp/capibara-model", *(overrides or [])])
 
 
+def _session_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory for the whole test run: under pytest-xdist, the one all workers share."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One data dir for the whole session; tasks build their files there on first read.
     pytest-xdist's workers share it (the corpus is written atomically and the routing build
     holds a lock, so one worker builds while the others wait)."""
-    shared = (tmp_path_factory.getbasetemp().parent / "data"
-              if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.mktemp("data"))
-    path = Path(os.environ.get("CAPIBARA_TEST_DATA_DIR") or shared)
+    path = Path(os.environ.get("CAPIBARA_TEST_DATA_DIR") or _session_dir(tmp_path_factory, "data"))
     path.mkdir(parents=True, exist_ok=True)
     os.environ["CAPIBARA_DATA_DIR"] = str(path)
     return path
@@ -41,8 +45,7 @@ def jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     and inherited by every subprocess a test starts: the many small runs of the same tiny
     model compile their steps once. Only the XLA backend compile is cached (keyed by the
     program, devices and flags), so what a test checks is unchanged."""
-    base = tmp_path_factory.getbasetemp()
-    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
+    path = _session_dir(tmp_path_factory, "jax_cache")
     path.mkdir(parents=True, exist_ok=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
