@@ -28,7 +28,7 @@ def compose(overrides: list[str], model_dir: Path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from capibara_exp.cli import register_resolvers
+    from capibara_exp.cli.common import register_resolvers
     from capibara_exp.paths import CONF_DIR
 
     register_resolvers()

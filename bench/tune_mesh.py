@@ -26,7 +26,7 @@ from pathlib import Path
 from capibara_exp.tuning import search
 from capibara_exp.tuning.space import Candidate
 
-TUNE = [sys.executable, "-m", "capibara_exp.tuning.cli"]
+TUNE = [sys.executable, "-m", "capibara_exp.cli.tune_mesh"]
 
 
 def tune(out: Path, *args: str) -> dict:

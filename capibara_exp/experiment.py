@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp import gin_bridge
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.launch import distributed, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
 

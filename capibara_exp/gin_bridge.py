@@ -17,6 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp.errors import ConfigError
+
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
 # Groups that are off (null) unless chosen; when chosen they work like the groups above.
 OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "router_supervision",
@@ -70,10 +72,6 @@ _REFERENCE_RE = re.compile(r"^(@[A-Za-z_][\w./]*(\(\))?|%[A-Za-z_][\w.]*)$")
 _ACTION_RE = re.compile(r"^((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)
 _ACTIONS_BINDING_RE = re.compile(r"^train_script\.train\.actions\s*=", re.M)
 _BINDING_KEY_RE = re.compile(r"^([\w.]+/)*[A-Za-z_][\w.]*\.[A-Za-z_]\w*$|^[A-Z_][A-Z0-9_]*$")
-
-
-class ConfigError(ValueError):
-    """A configuration mistake, reported with the key and file it comes from."""
 
 
 class GinReference(str):

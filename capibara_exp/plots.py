@@ -1,11 +1,12 @@
-"""`capibara-exp-plot RUN_DIR`: a run's curves from metrics.jsonl, rendered to a PNG."""
+"""A run's curves from metrics.jsonl, rendered to a PNG (`capibara-exp-plot RUN_DIR`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
+
+from capibara_exp.errors import ConfigError
 
 # Metrics worth a panel, in order, each drawn for train and train_eval where present.
 PANELS = ("loss", "accuracy", "learning_rate", "grad_norm", "tokens_per_s", "mfu",
@@ -23,7 +24,7 @@ def read_records(run_dir: Path) -> list[dict]:
     """The records of RUN_DIR/metrics.jsonl (one JSON object per line)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"capibara-exp-plot: no metrics.jsonl in {run_dir}")
+        raise ConfigError(f"no metrics.jsonl in {run_dir}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -63,7 +64,7 @@ def render(run_dir: Path, out: Path) -> Path:
     records = read_records(run_dir)
     chosen = panels(records)
     if not chosen:
-        raise SystemExit(f"capibara-exp-plot: {run_dir}/metrics.jsonl has none of {PANELS}")
+        raise ConfigError(f"{run_dir}/metrics.jsonl has none of {PANELS}")
     cols = min(len(chosen), 3)
     rows = -(-len(chosen) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
@@ -86,17 +87,3 @@ def render(run_dir: Path, out: Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
-
-
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="capibara-exp-plot", description=__doc__)
-    parser.add_argument("run_dir", type=Path, help="a run dir (model_dir) with metrics.jsonl")
-    parser.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/curves.png)")
-    args = parser.parse_args(argv)
-    out = render(args.run_dir, args.out or args.run_dir / "curves.png")
-    print(out)
-    return out
-
-
-if __name__ == "__main__":
-    main()

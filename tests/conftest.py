@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from capibara_exp.cli import register_resolvers
+from capibara_exp.cli.common import register_resolvers
 from capibara_exp.paths import CONF_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

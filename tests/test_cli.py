@@ -21,7 +21,7 @@ def capibara(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
 
 @pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["experiment=dense_small_rope", "--cfg", "job"]])
 def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_path: Path) -> None:
-    probe = ("import sys; from capibara_exp import cli; sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
+    probe = ("import sys; from capibara_exp.cli import main as cli; sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
              "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
              f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True,

@@ -15,7 +15,7 @@ from capibara_exp import experiment
 from capibara_exp.consensus import action, evaluate, federated, methods, report, run, store
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, run_gate
 from capibara_exp.consensus.merge import REPORT, MergeSpec, merge
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints
 from capibara_exp.runtime.trainer import TrainState
 from tests.conftest import compose_config
@@ -261,7 +261,7 @@ def test_fedavg_with_dp_reports_epsilon_and_learns(setup, tmp_path) -> None:
 def test_capibara_exp_merge_config_composes_and_merges(setup, tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
-    from capibara_exp.consensus.cli import run_merge
+    from capibara_exp.consensus.command import run_merge
     from capibara_exp.paths import CONF_DIR
 
     runs = [str(c.step_dir) for c in setup["honest"][:3]]
@@ -438,7 +438,7 @@ def test_no_manifest_is_rejected_by_default_or_merged_marked_unverified(setup, t
 
 
 def run_merge_cfg(cfg) -> dict:
-    from capibara_exp.consensus.cli import run_merge
+    from capibara_exp.consensus.command import run_merge
 
     return run_merge(cfg)
 

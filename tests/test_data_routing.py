@@ -349,7 +349,7 @@ def test_capibara_exp_data_builds_with_overrides(log_file: Path, tmp_path: Path)
     args = [
         sys.executable,
         "-c",
-        "from capibara_exp.data.cli import main; main()",
+        "from capibara_exp.cli.data import main; main()",
         f"data_dir={tmp_path}",
         "collect.sources=[]",
         f"inputs.logs=[{log_file}]",

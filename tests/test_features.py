@@ -14,7 +14,9 @@ import optax
 import pytest
 import seqio
 
-from capibara_exp import gin_bridge, plots
+from capibara_exp import gin_bridge
+from capibara_exp.cli import plot as plot_cli
+from capibara_exp.errors import ConfigError
 from capibara_exp.nets import Decoder, DecoderConfig
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.runtime import checkpoints, config, models, optimizers, partitioning
@@ -211,7 +213,7 @@ def test_early_stopping_from_conf_stops_the_run(tmp_path: Path, data_dir) -> Non
 
 def test_local_only_features_are_refused_for_t5x_and_t5x_features_render_for_both() -> None:
     cfg = compose_config(["ema=default"])
-    with pytest.raises(gin_bridge.ConfigError, match=r"ema: the local engine's own feature"):
+    with pytest.raises(ConfigError, match=r"ema: the local engine's own feature"):
         gin_bridge.render(cfg, "t5x", GIN_DIR)
     assert "train_script.train.ema_decay = %EMA_DECAY" in gin_bridge.render(cfg, "local", GIN_DIR)
     cfg = compose_config(["early_stopping=default"])
@@ -223,14 +225,18 @@ def test_local_only_features_are_refused_for_t5x_and_t5x_features_render_for_bot
 # ---- MFU and the plot command ---------------------------------------------------------------
 
 @pytest.mark.slow
-def test_mfu_is_reported_and_plot_renders_the_run(tmp_path: Path, data_dir) -> None:
+def test_mfu_is_reported_and_plot_renders_the_run(tmp_path: Path, data_dir, capsys) -> None:
     train(tmp_path, "trainer.train_steps=3", "trainer.eval_period=3",
           "checkpoint.checkpoint_period=3")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     mfu = [r["mfu"] for r in records if r["split"] == "train"]
     assert mfu and all(0 < m < 1 for m in mfu)
     assert json.loads((tmp_path / "peak_flops.json").read_text())["matmul_peak_flops"] > 1e8
-    out = plots.main([str(tmp_path)])
-    assert out == tmp_path / "curves.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(SystemExit, match=r"no metrics.jsonl"):
-        plots.main([str(tmp_path / "nowhere")])
+    plot_cli.main([str(tmp_path)])  # returns (exit 0) and prints the PNG's path once
+    out = tmp_path / "curves.png"
+    assert capsys.readouterr().out == f"{out}\n"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as exit_info:
+        plot_cli.main([str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err

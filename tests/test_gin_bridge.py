@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import gin
 from capibara_exp import gin_bridge
-from capibara_exp.gin_bridge import ConfigError, GinReference, to_gin_literal
+from capibara_exp.errors import ConfigError
+from capibara_exp.gin_bridge import GinReference, to_gin_literal
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.runtime import gin_utils
 from tests.conftest import EXPERIMENTS, compose_config

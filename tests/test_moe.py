@@ -15,6 +15,7 @@ import pytest
 import seqio
 
 from capibara_exp import experiment, gin_bridge
+from capibara_exp.errors import ConfigError
 from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
 from capibara_exp.nets.moe import route, routing_metrics
 from capibara_exp.paths import GIN_DIR
@@ -406,7 +407,7 @@ def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
 
 def test_router_supervision_is_a_local_only_group() -> None:
     cfg = compose_config(["experiment=moe_e2b_tiny", "router_supervision=domain"])
-    with pytest.raises(gin_bridge.ConfigError, match="router_supervision: the local engine's"):
+    with pytest.raises(ConfigError, match="router_supervision: the local engine's"):
         gin_bridge.render(cfg, "t5x", GIN_DIR)
     local = gin_bridge.render(cfg, "local", GIN_DIR)
     assert "ROUTER_LABEL_FEATURE = 'domain_id'  # router_supervision.router_label_feature" in local

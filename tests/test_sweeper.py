@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from capibara_exp.cli import register_resolvers
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.cli.common import register_resolvers
+from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.sweeping import space, study
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from capibara_exp import experiment
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints, gin_utils, train_script
 from capibara_exp.runtime.config import (
     DatasetConfig,

@@ -185,7 +185,7 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     assert topology.libtpu_installed(), topology.INSTALL_HINT
     conf = tmp_path / "conf"
     out = subprocess.run(
-        [sys.executable, "-m", "capibara_exp.tuning.cli", "topology=v5e-4",
+        [sys.executable, "-m", "capibara_exp.cli.tune_mesh", "topology=v5e-4",
          "tune_mesh.search=exhaustive", "tune_mesh.replay_seeds=2",
          "tune_mesh.num_microbatches=[1,2]", "tune_mesh.remat_policies=[none]",
          "tune_mesh.fsdp=[false]", "model.num_layers=1", f"tune_mesh.conf_dir={conf}",
@@ -237,7 +237,7 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
 def test_measured_mode_times_candidates_on_simulated_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     out = subprocess.run(
-        [sys.executable, "-m", "capibara_exp.tuning.cli", "topology=cpu",
+        [sys.executable, "-m", "capibara_exp.cli.tune_mesh", "topology=cpu",
          "tune_mesh.search=exhaustive", "tune_mesh.replay_seeds=1", "tune_mesh.measure=true",
          "tune_mesh.measure_steps=2", "tune_mesh.num_microbatches=[1,2]", "model.num_layers=1",
          "tune_mesh.remat_policies=[none]", "tune_mesh.fsdp=[false]",
@@ -255,7 +255,7 @@ def test_measured_mode_times_candidates_on_simulated_devices(tmp_path):
 
 def test_tune_mesh_errors(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "capibara_exp.tuning.cli", *args,
+        return subprocess.run([sys.executable, "-m", "capibara_exp.cli.tune_mesh", *args,
                                "hydra.run.dir=plan"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
 

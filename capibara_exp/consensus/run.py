@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import gin
-
 from capibara_exp import gin_bridge
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 
 CONFIG_GIN = "config.gin"
 _PARTS_BINDINGS = """

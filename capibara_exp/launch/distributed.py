@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 
 MODES = ("single", "explicit", "auto")
 

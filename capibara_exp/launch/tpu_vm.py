@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.tuning.topology import TOPOLOGIES, Topology
 
 RUNTIMES = ("t5x", "local")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:

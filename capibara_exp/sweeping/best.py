@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 
 SWEEPS_GROUP = "sweeps"  # sweeps/*.yaml: hydra.sweeper settings only (sweeps/README.md)
 EXPERIMENT = "experiment"

@@ -18,7 +18,7 @@ import optuna.distributions as od
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import sqlalchemy
 import yaml
 from optuna.trial import TrialState
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import space as space_lib
 

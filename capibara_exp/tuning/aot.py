@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from capibara_exp import gin_bridge
+from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.tuning import hlo
 from capibara_exp.tuning.estimate import estimate
@@ -120,7 +121,7 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
 
         lowered = train_script.lower_train_step(**bindings)
         model_flops = model_flops_per_chip(bindings, len(devices))
-    except (ValueError, gin_bridge.ConfigError) as err:  # the mesh/config does not fit
+    except (ValueError, ConfigError) as err:  # the mesh/config does not fit
         return Compiled(False, f"invalid: {_one_line(err)}")
     finally:
         gin.clear_config(clear_constants=True)

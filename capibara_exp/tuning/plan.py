@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.tuning import aot, hlo, report, search, space, topology
 from capibara_exp.tuning.topology import Chip
 

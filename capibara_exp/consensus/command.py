@@ -1,14 +1,13 @@
-"""Console script `capibara-exp-merge`: compose conf/merge.yaml and call `run_merge`."""
+"""capibara-exp-merge's work: merge the checkpoints a composed conf/merge.yaml names, or run
+FedAvg on one run's model and task; returns the report the console script summarises."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.errors import ConfigError
 
 FEDAVG = "fedavg"
 _SPEC_KEYS = ("method", "num_byzantine", "num_selected", "scale", "density", "learn_steps",
@@ -25,8 +24,6 @@ def _evaluators(cfg: DictConfig, first_run: Path, needs: list[str]) -> tuple:
     """(selection, report) evaluators from the run's config.gin; (None, None) when there is
     none and nothing needs validation; an error naming the keys when something does."""
     from capibara_exp.consensus import evaluate, run
-    from capibara_exp.gin_bridge import ConfigError
-
     try:
         config_gin = _config_gin(cfg, first_run)
     except ConfigError as err:
@@ -82,7 +79,7 @@ def run_fedavg(cfg: DictConfig, runs: list[str]) -> dict:
     return federated.fedavg(parts, fed, evaluator, Path(cfg.out))[1]
 
 
-def _summary(rep: dict) -> str:
+def summary(rep: dict) -> str:
     if "rounds" in rep:  # FedAvg
         eps = f", epsilon {rep['epsilon']:.3g} at delta {rep['delta']}" if rep["epsilon"] else ""
         return (f"{rep['checkpoint']} after {len(rep['rounds'])} rounds (val loss "
@@ -91,32 +88,3 @@ def _summary(rep: dict) -> str:
     which = "held-out loss" if rep["held_out_loss"] else "val loss"
     return (f"{rep['merged_checkpoint']} ({which} {loss['merged']}, best candidate "
             f"{loss['best_candidate']})")
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
-def _app(cfg: DictConfig) -> None:
-    from capibara_exp.consensus import report
-    from capibara_exp.consensus.gate import ConsensusError
-
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        print(f"capibara-exp-merge: missing mandatory value(s) {', '.join(missing)} "
-              f"({CONF_DIR / 'merge.yaml'}); e.g. 'runs=[outputs/a,outputs/b]' out=merged",
-              file=sys.stderr)
-        sys.exit(2)
-    try:
-        rep = run_merge(cfg)
-    except (ConsensusError, ValueError, FileNotFoundError) as err:
-        print(f"capibara-exp-merge: {err}", file=sys.stderr)
-        sys.exit(2)
-    for line in ([] if "rounds" in rep else report.warning_lines(rep)):
-        print(f"capibara-exp-merge: {line}", file=sys.stderr)
-    print(f"capibara-exp-merge: {_summary(rep)}", file=sys.stderr)
-
-
-def main() -> None:
-    _app()
-
-
-if __name__ == "__main__":
-    main()

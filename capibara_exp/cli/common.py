@@ -1,20 +1,21 @@
-"""Console script `capibara-exp`: compose the Hydra config and hand it to `experiment.run`.
-
-Only Hydra, OmegaConf and the pure gin bridge are imported here, so `--help` and
-`--cfg job` answer without loading JAX, TensorFlow or SeqIO.
-"""
+"""What every console script shares: resolvers, the YAML pre-check, error lines and exit
+codes (0 success, 2 a user error: one line naming the key, file or line; 1 an internal
+failure, with its traceback)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
+
+USER_ERROR = 2
 
 
 def register_resolvers() -> None:
@@ -25,23 +26,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("capibara_sweeps_root", lambda: str(SWEEPS_ROOT))
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _app(cfg: DictConfig) -> dict | None:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from capibara_exp import experiment  # heavy imports start here
-
-    try:
-        return experiment.run(cfg)
-    except ConfigError as err:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # the sweeper records the job as failed and goes on
-        print(f"capibara-exp: configuration error: {err}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _config_dirs(argv: list[str]) -> list[Path]:
+def config_dirs(argv: list[str]) -> list[Path]:
+    """conf/ and the directories `--config-dir` adds."""
     dirs = [CONF_DIR]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
@@ -67,6 +53,28 @@ def check_yaml(dirs: list[Path]) -> str | None:
     return None
 
 
+def exit_on_bad_yaml(prog: str, dirs: list[Path]) -> None:
+    problem = check_yaml(dirs)
+    if problem:
+        fail(prog, f"configuration error: {problem}")
+
+
+def fail(prog: str, message: str) -> None:
+    """A user error: one line on stderr, exit status 2."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    sys.exit(USER_ERROR)
+
+
+@contextlib.contextmanager
+def user_errors(prog: str, *types: type[BaseException], prefix: str = "") -> Iterator[None]:
+    """Turn the given exception types (ConfigError always) into one line and exit 2; any
+    other exception stays an internal failure."""
+    try:
+        yield
+    except (ConfigError, *types) as err:
+        fail(prog, f"{prefix}{err}")
+
+
 def register_sweeper() -> None:
     """The capibara_optuna sweeper, also where Hydra's scan of hydra_plugins cannot see it
     (an editable install's import hook hides the directory from that scan)."""
@@ -77,17 +85,3 @@ def register_sweeper() -> None:
     )
 
     Plugins.instance().register(CapibaraOptunaSweeper)
-
-
-def main() -> None:
-    problem = check_yaml(_config_dirs(sys.argv[1:]))
-    if problem:
-        print(f"capibara-exp: configuration error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    register_resolvers()
-    register_sweeper()
-    _app()
-
-
-if __name__ == "__main__":
-    main()

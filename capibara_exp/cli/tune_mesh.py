@@ -9,9 +9,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from capibara_exp.cli import check_yaml, register_resolvers
-from capibara_exp.gin_bridge import ConfigError
+from capibara_exp.cli.common import exit_on_bad_yaml, register_resolvers, user_errors
 from capibara_exp.paths import CONF_DIR
+
+PROG = "capibara-exp-tune-mesh"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -21,11 +22,8 @@ def _app(cfg: DictConfig) -> dict:
     from capibara_exp.tuning import plan
 
     hc = HydraConfig.get()
-    try:
+    with user_errors(PROG, RuntimeError):
         return plan.run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
-    except (ConfigError, RuntimeError) as err:
-        print(f"capibara-exp-tune-mesh: {err}", file=sys.stderr)
-        sys.exit(2)
 
 
 SETTINGS = "tune_mesh"
@@ -35,10 +33,7 @@ def main() -> None:
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.
     if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in sys.argv[1:]):
         sys.argv.append(f"+{SETTINGS}=default")
-    problem = check_yaml([CONF_DIR])
-    if problem:
-        print(f"capibara-exp-tune-mesh: configuration error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_bad_yaml(PROG, [CONF_DIR])
     register_resolvers()
     _app()
 

@@ -9,13 +9,14 @@ manifest path and the counts are printed. Examples:
 from __future__ import annotations
 
 import json
-import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.cli import register_resolvers
+from capibara_exp.cli.common import register_resolvers, user_errors
 from capibara_exp.paths import CONF_DIR
+
+PROG = "capibara-exp-data"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
@@ -25,11 +26,9 @@ def _app(cfg: DictConfig) -> None:
     settings = OmegaConf.to_container(cfg, resolve=True)
     data_dir, force = settings.pop("data_dir"), settings.pop("force")
     settings.pop("hydra", None)
-    try:
+    # BuildError, NoExamplesError, bad settings: named in the message
+    with user_errors(PROG, ValueError):
         manifest = build.ensure_built(data_dir, build.build_config(settings), force=force)
-    except ValueError as err:  # BuildError, NoExamplesError, bad settings: named in the message
-        print(f"capibara-exp-data: {err}", file=sys.stderr)
-        sys.exit(2)
     summary = {
         "manifest": str(build.dataset_dir(data_dir) / "manifest.json"),
         "examples": manifest["processing"]["examples_out"],

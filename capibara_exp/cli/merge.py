@@ -1,0 +1,38 @@
+"""Console script `capibara-exp-merge`: compose conf/merge.yaml and call
+`consensus.command.run_merge`."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from capibara_exp.cli.common import fail, user_errors
+from capibara_exp.paths import CONF_DIR
+
+PROG = "capibara-exp-merge"
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
+def _app(cfg: DictConfig) -> None:
+    from capibara_exp.consensus import command, report
+    from capibara_exp.consensus.gate import ConsensusError
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        fail(PROG, f"missing mandatory value(s) {', '.join(missing)} ({CONF_DIR / 'merge.yaml'}); "
+                   "e.g. 'runs=[outputs/a,outputs/b]' out=merged")
+    with user_errors(PROG, ConsensusError, ValueError, FileNotFoundError):
+        rep = command.run_merge(cfg)
+    for line in ([] if "rounds" in rep else report.warning_lines(rep)):
+        print(f"{PROG}: {line}", file=sys.stderr)
+    print(f"{PROG}: {command.summary(rep)}", file=sys.stderr)
+
+
+def main() -> None:
+    _app()
+
+
+if __name__ == "__main__":
+    main()
