@@ -10,7 +10,7 @@ import ast
 import difflib
 import re
 
-from capibara_exp.data.e2b_records import ExecutionRecord, split_expected
+from capibara_exp.data.e2b.records import ExecutionRecord, split_expected
 
 _LANG_PATTERNS = {
     "python": [
