@@ -243,15 +243,22 @@ _TYPE = re.compile(
 )
 _PLACEHOLDER = re.compile(
     r"(?i)^(?:your[\w\-. ]*|(?:my|enter|insert|replace)[_\-. ][\w\-. ]*)$|^<[^<>]*>$"
-    r"|^\[[\w\- ]+\]$"
-    r"|\.\.\.|…|^x{4,}$|^\*{3,}$|^#{3,}$|^-+$|redacted|masked|example|placeholder|dummy|fake"
-    r"|changeme|change_me|replace_me|not[\-_ ]a[\-_ ]real|^%[sd]$|^\{\w*\}$|^\?$|^:\w+$"
+    r"|^\[[\w\- ]+\]$|\.\.\.|…|^x{4,}$|^\*{3,}$|^#{3,}$|^-+$|^%[sd]$|^\{\w*\}$|^\?$|^:\w+$"
+    # Words, not letters inside a random key (a base64 key may well hold `FAkE`).
+    r"|(?<![a-z])(?:redacted|masked|example|placeholder|dummy|fake|changeme|change_me"
+    r"|replace_me|not[\-_ ]a[\-_ ]real)(?![a-z])"
+    # AWS's documentation keys: AKIAIOSFODNN7EXAMPLE, wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY.
+    r"|(?-i:EXAMPLE)"
 )
 _REFERENCE = re.compile(
     r"^(?:\$|%\(|\{\{|os\.environ|process\.env|env\(|getenv|ENV\[|secrets\.|vault:|arn:aws)"
     r"|^(?:~|\.{1,2})?(?:/[\w.\-]{1,16})+/?$|^[\w.\-]+\.(?:txt|json|ya?ml|pem|key|env|cfg|ini|conf|crt)$"
 )
-_CODE_VALUE = re.compile(r"[A-Za-z_][\w.]*(?:[(\[].*)?")
+_NAME = r"[A-Za-z_]\w*"
+_CODE_VALUE = re.compile(rf"{_NAME}(?:\.{_NAME})*(?:[(\[].*)?")
+# In any text: a call, a subscript or an attribute (`getpass.getpass()`, `cfg.password`),
+# as traceback frames and printed settings show code.
+_EXPRESSION = re.compile(rf"{_NAME}(?:(?:\.{_NAME})+(?:[(\[].*)?|[(\[].*)")
 
 
 def not_a_secret(value: str, key: str | None = None) -> bool:
@@ -276,6 +283,7 @@ def looks_random(value: str) -> bool:
     ) or len(value) >= 32
 
 
-def code_value(value: str) -> bool:
-    """A name, attribute, call or subscript: in code, what a setting line assigns."""
-    return _CODE_VALUE.fullmatch(value) is not None
+def code_value(value: str, in_code: bool) -> bool:
+    """A name, attribute, call or subscript (in code), or an attribute, call or subscript
+    (in any text): what an assignment in code assigns, not a credential."""
+    return (_CODE_VALUE if in_code else _EXPRESSION).fullmatch(value) is not None

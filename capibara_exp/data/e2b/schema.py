@@ -32,6 +32,11 @@ _REASONS = {
     "maximum": OUT_OF_RANGE,
     "exclusiveMinimum": OUT_OF_RANGE,
 }
+_FLAT_REQUIRED = ("results", "logs", "error")
+_SHAPES = (
+    " (a record holds either `execution` (nested shape) or results, logs and error at the"
+    " top, as E2B's Execution.to_json() writes them)"
+)
 _JSON_TYPES = {
     dict: "object",
     list: "array",
@@ -103,7 +108,8 @@ def _describe(err: jsonschema.ValidationError) -> tuple[str, str]:
         return WRONG_TYPE, f"{path}: expected {want}, got {_type_name(err.instance)}"
     if kind == "required":
         missing = [k for k in err.validator_value if k not in err.instance]
-        return MISSING_FIELD, f"{json_path([*err.absolute_path, missing[0]])}: missing"
+        hint = _SHAPES if not err.absolute_path and missing[0] in _FLAT_REQUIRED else ""
+        return MISSING_FIELD, f"{json_path([*err.absolute_path, missing[0]])}: missing{hint}"
     if kind == "enum":
         allowed = ", ".join(map(str, err.validator_value))
         got = err.instance if isinstance(err.instance, str) and len(err.instance) <= 20 else None

@@ -189,12 +189,8 @@ def _pattern_spans(line: str, base: int, in_code):
             value, key = m.group(group), m.groupdict().get("key")
             if patterns.not_a_secret(value, key) or not _kept(value):
                 continue
-            if (
-                check == "unquoted"
-                and in_code(base + m.start(group))
-                and patterns.code_value(value)
-            ):
-                continue  # `password = new_password`: a variable, in code
+            if check == "unquoted" and patterns.code_value(value, in_code(base + m.start(group))):
+                continue  # `password = new_password`: a variable
             if check == "random" and not patterns.looks_random(value):
                 continue
             yield base + m.start(group), base + m.end(group), kind
