@@ -73,8 +73,12 @@ def plugin_names() -> list[str]:
     return [type(p).__name__ for _, p in _plugins()]
 
 
-def _kept(value: str) -> bool:
-    return bool(value) and not any(f(value) for f in _FILTERS) and not patterns.not_a_secret(value)
+def _kept(value: str, own: bool = True) -> bool:
+    """Not dropped by detect-secrets' filters, nor (own) by the project's placeholder,
+    literal and reference checks."""
+    if not value or any(f(value) for f in _FILTERS):
+        return False
+    return not (own and patterns.not_a_secret(value))
 
 
 def _windows(line: str):
@@ -99,7 +103,7 @@ def _plugin_values(line: str) -> dict[tuple[str, str], object]:
     return out
 
 
-def _plugin_spans(line: str, base: int):
+def _plugin_spans(line: str, base: int, own: bool = True):
     """Spans of what the plugins found, each widened to its token and filtered.
 
     A regex plugin reports its first group, which for some (GitHub's) is only the prefix
@@ -111,7 +115,7 @@ def _plugin_spans(line: str, base: int):
             token = line[lo:hi]
             if prefix_only and not any(r.search(token) for r in plugin.denylist):
                 continue
-            if _kept(token):
+            if _kept(token, own):
                 yield base + lo, base + hi, kind
 
 
@@ -205,7 +209,7 @@ def _spans(text: str, language: str | None, own: bool) -> list[tuple[int, int, s
 
     base = 0
     for line in text.split("\n"):
-        spans += _plugin_spans(line, base)
+        spans += _plugin_spans(line, base, own)
         if own:
             spans += _pattern_spans(line, base, in_code)
         if own and (plain := unescaped(line)) != line:  # inside a string: no code there

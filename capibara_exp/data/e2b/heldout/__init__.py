@@ -30,7 +30,8 @@ NEGATIVES_PER_CATEGORY = {
     "base64_images": 40,
     "identifiers": 100,
     "package_urls": 40,
-    "placeholders": 80,
+    "placeholders": 64,
+    "fixtures": 40,
     "arns": 24,
 }
 
@@ -67,6 +68,7 @@ def negative_samples(seed: int) -> tuple[dict[str, list[tuple[str, str]]], dict]
         "identifiers": negatives.identifier_lines(rng, n["identifiers"]),
         "package_urls": negatives.metadata_lines(rng, n["package_urls"]),
         "placeholders": negatives.placeholder_lines(rng, n["placeholders"]),
+        "fixtures": negatives.fixture_lines(rng, n["fixtures"]),
         "arns": negatives.arn_lines(rng, n["arns"]),
     }
     return samples, {"uuids_harvested": harvested_uuids}

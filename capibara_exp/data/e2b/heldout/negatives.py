@@ -8,7 +8,7 @@ tokens, secrets and keys without holding one, and the URLs and e-mail addresses 
 package metadata. Three small groups follow written conventions instead, as nothing on
 a machine holds them reliably: placeholders (`YOUR_API_KEY`, `sk-...`, `${DB_PASSWORD}`),
 AWS Secrets Manager ARNs (`...:secret:name-AbCdEf`, AWS's ARN format) and the example
-credentials AWS documents (`AKIAIOSFODNN7EXAMPLE`).
+credentials AWS documents (`AKIAIOSFODNN7EXAMPLE`) with the fake values test suites use.
 """
 
 from __future__ import annotations
@@ -197,18 +197,30 @@ PLACEHOLDERS = (
     "REPLACE_ME",
     "${API_KEY:-}",
 )
-# Credentials AWS's documentation uses in every example (not live keys).
-DOC_EXAMPLES = ("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+# Test fixtures: the credentials AWS's documentation uses in every example (not live
+# keys), and values test suites give fake credentials.
+FIXTURES = (
+    "AKIAIOSFODNN7EXAMPLE",
+    "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    "dummy-token",
+    "fake-api-key",
+    "example-password",
+    "not-a-real-secret",
+    "FAKE_SECRET_FOR_TESTS",
+    "dummy_password_123",
+    "placeholder-token",
+    "sk_test_dummy",
+)
 
 
-def placeholder_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
-    """Placeholders and documented example keys where a credential would stand."""
+def _in_contexts(values: tuple[str, ...], rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Each value where a credential would stand (the positives' assignment, env, setting
+    and URL contexts), under the names real formats use."""
     groups = ("assign", "env", "config", "url_query")
     templates = [c for g in groups for c in contexts.GROUPS[g]]
     out = []
     for i in range(n):
-        fmt = FORMATS[i % len(FORMATS)]
-        value = (PLACEHOLDERS + DOC_EXAMPLES)[i % (len(PLACEHOLDERS) + len(DOC_EXAMPLES))]
+        fmt, value = FORMATS[i % len(FORMATS)], values[i % len(values)]
         channel, template = rng.choice(templates)
         text = template.format(
             s=value,
@@ -217,10 +229,18 @@ def placeholder_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
             env=fmt.env,
             kwarg=fmt.kwarg,
             camel=fmt.kwarg,
-            pair_id=DOC_EXAMPLES[0],
+            pair_id=FIXTURES[0],
         )
         out.append((channel, text))
     return out
+
+
+def placeholder_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    return _in_contexts(PLACEHOLDERS, rng, n)
+
+
+def fixture_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    return _in_contexts(FIXTURES, rng, n)
 
 
 def arn_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
