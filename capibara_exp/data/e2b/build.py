@@ -256,6 +256,8 @@ def ensure_built(data_dir: str | os.PathLike, cfg: dict | None = None, force: bo
 def summary(manifest: dict, data_dir: str | os.PathLike) -> dict:
     """What `capibara-exp-data` prints: where the manifest is and what the build did."""
     scrubbing = manifest["secret_scrubbing"]
+    scrubbed = Counter(manifest["collection"].get("secrets_scrubbed", {}))
+    scrubbed.update(manifest["processing"]["secrets_scrubbed"])
     return {
         "manifest": str(dataset_dir(data_dir) / "manifest.json"),
         "inputs": manifest["inputs"],
@@ -267,7 +269,7 @@ def summary(manifest: dict, data_dir: str | os.PathLike) -> dict:
             "formats": scrubbing["formats"],
             "min_recall": scrubbing["min_recall"],
             "negatives_altered_share": scrubbing["negatives_altered_share"],
-            "scrubbed_in_this_build": manifest["processing"]["secrets_scrubbed"],
+            "scrubbed_in_this_build": dict(sorted(scrubbed.items())),
         },
     }
 

@@ -246,15 +246,17 @@ _PLACEHOLDER = re.compile(
     r"|^\[[\w\- ]+\]$|\.\.\.|…|^x{4,}$|^\*{3,}$|^#{3,}$|^-+$|^%[sd]$|^\{\w*\}$|^\?$|^:\w+$"
     # Words, not letters inside a random key (a base64 key may well hold `FAkE`).
     r"|(?<![a-z])(?:redacted|masked|example|placeholder|dummy|fake|changeme|change_me"
-    r"|replace_me|not[\-_ ]a[\-_ ]real)(?![a-z])"
+    r"|replace_me|not[\-_ ]a[\-_ ]real|x{4,}|deadbeef|cafebabe)(?![a-z])"
     # AWS's documentation keys: AKIAIOSFODNN7EXAMPLE, wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY.
     r"|(?-i:EXAMPLE)"
 )
 _REFERENCE = re.compile(
-    r"^(?:\$|%\(|\{\{|os\.environ|process\.env|env\(|getenv|ENV\[|secrets\.|vault:|arn:aws)"
+    r"^(?:\$|%\(|os\.environ|process\.env|env\(|getenv|ENV\[|secrets\.|vault:|arn:aws)"
+    r"|\$\{|\{\{"  # a template anywhere: `Basic ${btoa(user)}`, `{{ api_key }}`
     r"|^(?:~|\.{1,2})?(?:/[\w.\-]{1,16})+/?$|^[\w.\-]+\.(?:txt|json|ya?ml|pem|key|env|cfg|ini|conf|crt)$"
 )
 _NAME = r"[A-Za-z_]\w*"
+_SCHEME = re.compile(r"(?i)^(?:bearer|basic|token|digest)\s+")
 _CODE_VALUE = re.compile(rf"{_NAME}(?:\.{_NAME})*(?:[(\[].*)?")
 # In any text: a call, a subscript or an attribute (`getpass.getpass()`, `cfg.password`),
 # as traceback frames and printed settings show code.
@@ -263,7 +265,7 @@ _EXPRESSION = re.compile(rf"{_NAME}(?:(?:\.{_NAME})+(?:[(\[].*)?|[(\[].*)")
 
 def not_a_secret(value: str, key: str | None = None) -> bool:
     """A placeholder, literal, type, number, reference or file name: never redacted."""
-    v = value.strip().strip("'\"`")
+    v = _SCHEME.sub("", value.strip().strip("'\"`"))  # `Bearer xxxx`: the credential is xxxx
     if len(v) < 4 or v.lower() in _LITERALS or v.isdigit() or _TYPE.fullmatch(v):
         return True
     if _PLACEHOLDER.search(v) or _REFERENCE.search(v):
