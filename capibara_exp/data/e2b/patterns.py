@@ -19,8 +19,8 @@ _WORDS = (
 )
 _KEY = rf"[\w.\-]*(?:{_WORDS})[\w\-]*"
 _ENV_KEY = (
-    r"[A-Z][A-Z0-9_]*(?:PASSWORD|PASSWD|PASSPHRASE|PASS|PWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY"
-    r"|PRIVATE_?KEY|ACCOUNT_?KEY|AUTH|CREDENTIALS?)[A-Z0-9_]*|PASSWORD|TOKEN|SECRET"
+    r"(?P<key>[A-Z][A-Z0-9_]*(?:PASSWORD|PASSWD|PASSPHRASE|PASS|PWD|SECRET|TOKEN|API_?KEY"
+    r"|ACCESS_?KEY|PRIVATE_?KEY|ACCOUNT_?KEY|AUTH|CREDENTIALS?)[A-Z0-9_]*|PASSWORD|TOKEN|SECRET)"
 )
 _QUOTED = r"(?P<q>['\"`])(?P<secret>(?:(?!(?P=q))[^\n])+)(?P=q)"
 _OPT_QUOTED = r"(?P<q>['\"]?)(?P<secret>[^\s'\"`$;&|<>(),\[\]{}][^\s'\"`;&|<>(),\[\]{}]*)(?P=q)"
@@ -29,7 +29,20 @@ _OPT_QUOTED = r"(?P<q>['\"]?)(?P<secret>[^\s'\"`$;&|<>(),\[\]{}][^\s'\"`;&|<>(),
 # SIGNING_KEY, encryption_key) but also sort keys and cache keys: their values must look
 # random to count.
 _ANY_KEY = r"[\w.\-]*key"
-_ANY_ENV_KEY = r"[A-Z][A-Z0-9_]*_KEY"
+_ANY_ENV_KEY = r"(?P<key>[A-Z][A-Z0-9_]*_KEY)"
+# Names whose value people choose (a password, a secret): any value counts. Other names
+# (token, api_key, auth) hold generated credentials: their value must look generated, so
+# a lexer's `token == "lambda"` stays.
+_CHOSEN = re.compile(r"(?i)passw|passphrase|secret|credential|pwd|(?<![a-z])pass(?![a-z])")
+# Names about a credential rather than holding one: `token_type`, `password_field`,
+# `api_key_header`, `secret_name`, `password_hash`.
+_ABOUT = re.compile(
+    r"(?i)(?:type|kind|range|name|len|length|count|size|file|path|dir|field|header|prefix"
+    r"|suffix|class|style|id|url|uri|endpoint|var|ttl|expiry|expires|expiration|index|idx|pos"
+    r"|start|end|list|map|regex|pattern|format|fmt|hash|policy|mode|label|help|prompt|text"
+    r"|message|msg|limit|min|max|required|enabled|timeout|version|store|manager|provider"
+    r"|backend|cache|source|encoding|method|scheme|number|num|offset|counter)s?$"
+)
 
 # (kind, pattern, checks). Checks: "unquoted": in code, a value that reads as a name, an
 # attribute, a call or a subscript is a variable (`password = new_password`), not a
@@ -106,7 +119,7 @@ LINE_PATTERNS: list[tuple[str, re.Pattern, str]] = [
         (
             "config_secret",
             rf"(?im)^[ \t]*(?:-[ \t]+)?(?P<key>{_KEY})[ \t]*[:=][ \t]*"
-            r"(?P<q>['\"]?)(?P<secret>[^\s'\"#][^\s'\"]*?)(?P=q)[ \t]*(?:[ \t]#.*)?$",
+            r"(?P<q>['\"]?)(?P<secret>[^\s'\"#][^\s'\"]*?)(?P=q)[,;]?[ \t]*(?:[ \t]#.*)?$",
             "unquoted",
         ),
         # Query strings: `?api_key=..`, `&access_token=..`, Azure SAS `&sig=..`.
@@ -217,6 +230,7 @@ def block_spans(text: str) -> Iterator[tuple[int, int, str]]:
 
 # Values that never are the secret itself.
 _LITERALS = {
+    "pass",
     "true",
     "false",
     "none",
@@ -270,9 +284,35 @@ def not_a_secret(value: str, key: str | None = None) -> bool:
         return True
     if _PLACEHOLDER.search(v) or _REFERENCE.search(v):
         return True
-    if key is not None and v.lower().replace("-", "_") in key.lower().replace("-", "_"):
-        return True  # `password: password`, `token=TOKEN`
+    if key is not None and _names_itself(v, key):
+        return True  # `password: password`, `token=TOKEN`, `password="some_password"`
+    if key is not None and re.match(r"(?i)https?://", v):
+        return True  # a URL under a name; credentials inside it are the URL patterns' job
     return len(set(v)) <= 2  # `aaaaaaaa`, `12121212`
+
+
+def _names_itself(value: str, key: str) -> bool:
+    """The value is the key's name, or letters around the credential word of the key:
+    what docs write where a value goes (`some_password`, `myregistrytoken`)."""
+    v, k = value.lower().replace("-", "_"), key.lower().replace("-", "_")
+    if v in k:
+        return True
+    word = _CREDENTIAL_WORD.search(k)
+    return bool(word) and word.group() in v and re.fullmatch(r"[a-z_]+", v) is not None
+
+
+_CREDENTIAL_WORD = re.compile(r"passw(?:or)?d|passphrase|secret|token|key|credential|auth")
+
+
+def key_rule(key: str | None) -> str:
+    """What a value under this name must be to be redacted: "any" (a chosen secret),
+    "random" (a generated credential), or "none" (the name is about a credential)."""
+    if key is None:
+        return "any"
+    last = re.split(r"[_\-.]", key.strip("'\"[]"))[-1]
+    if _ABOUT.fullmatch(last) and not _CHOSEN.fullmatch(last):
+        return "none"
+    return "any" if _CHOSEN.search(key) else "random"
 
 
 def looks_random(value: str) -> bool:
@@ -285,7 +325,21 @@ def looks_random(value: str) -> bool:
     ) or len(value) >= 32
 
 
+def _random_part(value: str) -> bool:
+    """A part (between dots, dashes, underscores) of 8+ chars with upper and lower case
+    letters and digits: generated, not a name a programmer wrote."""
+    return any(
+        len(p) >= 8 and re.search(r"\d", p) and re.search(r"[a-z]", p) and re.search(r"[A-Z]", p)
+        for p in re.split(r"[._\-]", value)
+    )
+
+
 def code_value(value: str, in_code: bool) -> bool:
     """A name, attribute, call or subscript (in code), or an attribute, call or subscript
-    (in any text): what an assignment in code assigns, not a credential."""
-    return (_CODE_VALUE if in_code else _EXPRESSION).fullmatch(value) is not None
+    (in any text): what an assignment in code assigns, not a credential. A dotted chain
+    with a generated-looking part (`x8tpz53vZ.oXEeJVgm19`) is a token, not an attribute."""
+    if in_code and re.search(r"[()\[\]{}+*]", value):
+        return True  # an expression: `(self.tokens.peek()`, `taken+len(tokens)`
+    if (_CODE_VALUE if in_code else _EXPRESSION).fullmatch(value) is None:
+        return False
+    return "(" in value or "[" in value or "." not in value or not _random_part(value)

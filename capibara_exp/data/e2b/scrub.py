@@ -22,6 +22,7 @@ from collections import Counter
 from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
 from detect_secrets.filters import heuristic
 from detect_secrets.plugins.base import RegexBasedDetector
+from detect_secrets.plugins.keyword import KeywordDetector
 
 from capibara_exp.data.e2b import patterns
 
@@ -56,6 +57,8 @@ _WINDOW, _OVERLAP = 4096, 512
 # Values this long are also redacted where they stand again in the same text.
 _PROPAGATE_CHARS = 8
 MARK = "<REDACTED:"
+# The name before a value: `name = "v"`, `"name": "v"`, `name => "v"`, `name := v`.
+_KEY_BEFORE = r"([\w.\-]+)['\"\]]{0,2}\s*(?:[:!=]=?=?|=>)\s*@?['\"`]?"
 
 
 def _slug(secret_type: str) -> str:
@@ -103,6 +106,18 @@ def _plugin_values(line: str) -> dict[tuple[str, str], object]:
     return out
 
 
+def _keyword_value_kept(line: str, value: str) -> bool:
+    """The keyword detector's value, judged by the name it stands under (as the project's
+    own patterns are): not a name about a credential (`secret_type = 'AWS Access Key'`),
+    and a generated-looking value under a token/key name."""
+    m = re.search(_KEY_BEFORE + re.escape(value), unescaped(line))
+    key = m.group(1) if m else None
+    if patterns.not_a_secret(value, key):
+        return False
+    rule = patterns.key_rule(key)
+    return rule == "any" or (rule == "random" and patterns.looks_random(value))
+
+
 def _plugin_spans(line: str, base: int, own: bool = True):
     """Spans of what the plugins found, each widened to its token and filtered.
 
@@ -110,6 +125,8 @@ def _plugin_spans(line: str, base: int, own: bool = True):
     (`ghp`): the widened token must then match one of the plugin's own regexes.
     """
     for (kind, value), plugin in _plugin_values(line).items():
+        if own and isinstance(plugin, KeywordDetector) and not _keyword_value_kept(line, value):
+            continue
         prefix_only = len(value) < _PROPAGATE_CHARS and isinstance(plugin, RegexBasedDetector)
         for lo, hi in _occurrences(line, value):
             token = line[lo:hi]
@@ -195,7 +212,8 @@ def _pattern_spans(line: str, base: int, in_code):
                 continue
             if check == "unquoted" and patterns.code_value(value, in_code(base + m.start(group))):
                 continue  # `password = new_password`: a variable
-            if check == "random" and not patterns.looks_random(value):
+            rule = "random" if check == "random" else patterns.key_rule(key)
+            if rule == "none" or (rule == "random" and not patterns.looks_random(value)):
                 continue
             yield base + m.start(group), base + m.end(group), kind
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import functools
 import hashlib
 import importlib.metadata
 import random
@@ -120,50 +121,98 @@ def image_uris(rng: random.Random, n: int) -> list[tuple[str, str]]:
     return out
 
 
-def _named_lines(path: Path) -> list[str]:
-    """Single-line statements of a module that name a password/token/secret/key without a
-    literal value: the value is a name, an attribute, a call, a subscript."""
+_CHOSEN_NAME = re.compile(r"(?i)passw|secret|credential|pwd")
+_WORD = re.compile(r"[a-z][a-z_\- ]{0,30}")
+
+
+def _targets(node) -> tuple[list[str], object]:
+    """(names, value) of an assignment, keyword argument, comparison or function def."""
+    if isinstance(node, ast.Assign | ast.AnnAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return [ast.unparse(t) for t in targets], node.value
+    if isinstance(node, ast.keyword) and node.arg:
+        return [node.arg], node.value
+    if isinstance(node, ast.Compare) and len(node.comparators) == 1:
+        return [ast.unparse(node.left)], node.comparators[0]
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return [a.arg for a in node.args.args], None
+    return [], None
+
+
+def _kind(names: list[str], value) -> str | None:
+    """ "name": the value is a name, attribute, call or subscript; "word": a plain word
+    literal under a token/key/auth name (a lexer's `token_type = 'comment'`); None: a
+    literal that could be a real (test) credential, not a negative."""
+    if not isinstance(value, ast.Constant) or not isinstance(value.value, str | bytes):
+        return "name"
+    if isinstance(value.value, str) and _WORD.fullmatch(value.value):
+        return None if any(_CHOSEN_NAME.search(n) for n in names) else "word"
+    return None
+
+
+def _parse_line(text: str):
+    """The syntax tree of one source line read alone (an `if`/`def` header completed)."""
+    for candidate in (text, text + " pass", re.sub(r"^(?:el)?if |^while |:$", "", text)):
+        try:
+            return ast.parse(candidate)
+        except (SyntaxError, ValueError):
+            continue
+    return None
+
+
+def _named_lines(path: Path) -> list[tuple[str, str]]:
+    """(kind, line) of the lines of a module that name a password, token, secret or key
+    without holding one (see `_kind`), each line parsed alone."""
     try:
         source = path.read_text(encoding="utf-8")
-        if len(source) > 60_000:  # parsing is the cost: many small modules, not a few big
-            return []
-        tree = ast.parse(source)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError):
         return []
-    lines, out = source.splitlines(), []
-    for node in ast.walk(tree):
-        names, value = [], None
-        if isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names = [ast.unparse(t) for t in targets]
-            value = node.value
-        elif isinstance(node, ast.keyword) and node.arg:
-            names, value = [node.arg], node.value
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            names = [a.arg for a in node.args.args]
-        if not any(_NAME.search(n) for n in names):
+    out = []
+    for line in source.splitlines():
+        text = line.strip()
+        if not (8 <= len(text) <= 160 and _NAME.search(text)) or text.startswith("#"):
             continue
-        if isinstance(value, ast.Constant) and isinstance(value.value, str | bytes):
-            continue  # a literal could be a real (test) credential: not a negative
-        if node.lineno == getattr(node, "end_lineno", node.lineno) or isinstance(
-            node, ast.FunctionDef | ast.AsyncFunctionDef
-        ):
-            line = lines[node.lineno - 1].strip()
-            if 8 <= len(line) <= 160:
-                out.append(line)
+        tree = _parse_line(text)
+        for node in ast.walk(tree) if tree else ():
+            names, value = _targets(node)
+            if any(_NAME.search(n) for n in names) and (kind := _kind(names, value)):
+                out.append((kind, text))
+                break
     return out
 
 
-def identifier_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
-    found: list[str] = []
+# How many lines of each kind to harvest (then sampled): names are everywhere, so a few
+# per module from many modules; plain-word literals are rarer (lexers, parsers).
+_HARVEST = {"name": (200, 3), "word": (60, 1000)}
+
+
+@functools.cache
+def _harvest_named() -> dict[str, list[str]]:
+    """Lines of each kind from stdlib modules in a fixed shuffled order."""
+    found: dict[str, set[str]] = {kind: set() for kind in _HARVEST}
     files = list(stdlib_sources())
-    rng.shuffle(files)
+    random.Random(0).shuffle(files)
     for path in files:
-        found += sorted(set(_named_lines(path)))[:3]  # a few per module: many modules
-        if len(set(found)) >= 2 * n:
+        lines = set(_named_lines(path))
+        for kind, (_, per_module) in _HARVEST.items():
+            found[kind] |= set(sorted(line for k, line in lines if k == kind)[:per_module])
+        if all(len(found[k]) >= want for k, (want, _) in _HARVEST.items()):
             break
-    unique = sorted(set(found))
-    return [("python", line) for line in rng.sample(unique, min(n, len(unique)))]
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def identifier_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Lines that name a credential but hold a name, attribute, call or subscript."""
+    found = _harvest_named()["name"]
+    return [("python", line) for line in rng.sample(found, min(n, len(found)))]
+
+
+def word_literal_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Lines that give a token/key/auth name a plain word (`token_type = 'comment'`,
+    `if token == "lambda"`); password and secret names are left out (a word there may
+    be a real password)."""
+    found = _harvest_named()["word"]
+    return [("python", line) for line in rng.sample(found, min(n, len(found)))]
 
 
 def metadata_lines(rng: random.Random, n: int) -> list[tuple[str, str]]:
