@@ -22,6 +22,33 @@ import sys
 import time
 
 
+def real_code_lines(max_files: int = 4000) -> tuple[int, list[tuple[str, str]]]:
+    """Every line of the stdlib and installed packages' sources (up to max_files) that
+    names a password, token, secret or key, scrubbed as Python: (lines, altered ones).
+    Not a goal (some lines hold real literal passwords, which should go): what the
+    scrubber does to ordinary code."""
+    import random
+    import re
+    import sysconfig
+    from pathlib import Path
+
+    from capibara_exp.data.corpus import stdlib_sources
+    from capibara_exp.data.e2b import scrub
+
+    named = re.compile(r"(?i)passw|token|secret|api_?key|credential|auth")
+    files = sorted(Path(sysconfig.get_paths()["purelib"]).glob("*/**/*.py"))
+    random.Random(0).shuffle(files)
+    lines = []
+    for path in [*stdlib_sources(), *files[:max_files]]:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        lines += [line for line in text.splitlines() if named.search(line) and len(line) < 200]
+    scrubbed = [(line, scrub.scrub_text(line, "python")[0]) for line in lines]
+    return len(lines), [(line, out) for line, out in scrubbed if out != line]
+
+
 def _row(*cells, widths=(28, 8, 10, 10, 6)) -> str:
     return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False))
 
@@ -65,6 +92,11 @@ def main() -> int:
     print()
     for text, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    n_lines, altered = real_code_lines()
+    print(f"(not a goal) real source lines naming passwords/tokens/secrets/keys, scrubbed as "
+          f"Python: {len(altered)} of {n_lines} altered ({len(altered) / max(1, n_lines):.2%})")
+    for line, out in altered[: args.show]:
+        print(f"  {line.strip()[:100]!r}\n  -> {out.strip()[:100]!r}")
     for kind, text, scrubbed in heldout.missed_positives(args.seed, args.per_format)[: args.show]:
         print(f"\nmissed {kind} (synthetic):\n  {text!r}\n  -> {scrubbed!r}")
     for cat, text, scrubbed in heldout.altered_negatives(args.seed)[: args.show]:
