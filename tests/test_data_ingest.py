@@ -393,6 +393,8 @@ def _secret_lines(planted: list[tuple[str, str]]) -> list[bytes]:
             b"\xff" + bad,  # not UTF-8
             bad.replace(b'"language"', b'"note": "\\udc00", "language"', 1),  # lone surrogate
             json.dumps({"code": text, "language": "python", "results": 7}).encode(),
+            json.dumps({**ok, "logs": {"stdout": None, "stderr": [text]}}).encode(),
+            json.dumps(ok).encode()[:-1] + b', "execution_count": ' + b"7" * 4400 + b"}",
         ]
     return out
 
@@ -409,8 +411,9 @@ def _leaks(text: str, planted: list[tuple[str, str]]) -> list[str]:
 @pytest.mark.entry
 def test_no_secret_is_at_rest_in_anything_a_build_writes_or_prints(tmp_path: Path) -> None:
     planted = _planted()
-    log = tmp_path / "secrets.jsonl"
-    log.write_bytes(b"\n".join(_secret_lines(planted)) + b"\n")
+    log = tmp_path / "secrets.jsonl"  # with a valid line of Unicode that must come out as is
+    unicode = json.dumps(sdk_line(_UNICODE, _ok()), ensure_ascii=False).encode()
+    log.write_bytes(b"\n".join([*_secret_lines(planted), unicode]) + b"\n")
     only_bad = tmp_path / "only_bad.jsonl"
     only_bad.write_bytes(b"\n".join(_secret_lines(planted)[1:7]) + b"\n")
     cli = [
@@ -426,7 +429,9 @@ def test_no_secret_is_at_rest_in_anything_a_build_writes_or_prints(tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
-    assert summary["inputs"][str(log)]["accepted"] == len(planted), summary["inputs"]
+    assert summary["inputs"][str(log)]["accepted"] == len(planted) + 1, summary["inputs"]
+    examples = (build.dataset_dir(tmp_path / "data") / "examples" / "examples.jsonl").read_bytes()
+    assert json.dumps(_UNICODE, ensure_ascii=False).encode() in examples
     failed = subprocess.run(
         [*cli, "force=true", f"inputs.logs=[{only_bad}]"],
         capture_output=True,
