@@ -299,7 +299,7 @@ def _build_lines(middle: list[bytes]) -> dict:
 
 
 _PROPERTY = settings(
-    max_examples=50,
+    max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
