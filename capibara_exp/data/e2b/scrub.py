@@ -58,7 +58,7 @@ _WINDOW, _OVERLAP = 4096, 512
 _PROPAGATE_CHARS = 8
 MARK = "<REDACTED:"
 # The name before a value: `name = "v"`, `"name": "v"`, `name => "v"`, `name := v`.
-_KEY_BEFORE = r"([\w.\-]+)['\"\]]{0,2}\s*(?:[:!=]=?=?|=>)\s*@?['\"`]?"
+_KEY_BEFORE = r"([\w.\-]{1,80})['\"\]]{0,2}\s*(?:[:!=]=?=?|=>)\s*@?['\"`]?"
 
 
 def _slug(secret_type: str) -> str:
