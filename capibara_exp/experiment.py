@@ -125,7 +125,7 @@ def prepare_data(cfg: DictConfig) -> None:
     """Build the routing data a run needs before JAX starts: its builder executes code in
     subprocesses, and forking a process that runs JAX is unsafe (and JAX warns each time)."""
     if cfg.data.get("mixture_or_task_module") == ROUTING_TASKS:
-        from capibara_exp.data import build
+        from capibara_exp.data.e2b import build
 
         build.ensure_built(os.environ.get(DATA_DIR_ENV) or cfg.data_dir)
 

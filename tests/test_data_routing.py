@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from capibara_exp import gin_bridge
-from capibara_exp.data import build, collector, playbooks, processing, routing, sandbox, snippets
-from capibara_exp.data.e2b_records import ExecutionRecord, parse_records, write_records
-from capibara_exp.data.quarantine import Quarantine
+from capibara_exp.data import routing
+from capibara_exp.data.e2b import build, collector, playbooks, processing, sandbox, snippets
+from capibara_exp.data.e2b.quarantine import Quarantine
+from capibara_exp.data.e2b.records import ExecutionRecord, parse_records, write_records
 from capibara_exp.paths import GIN_DIR
 from tests.conftest import compose_config
 
@@ -70,14 +71,20 @@ def built(log_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
     return data_dir, build.ensure_built(data_dir, _cfg(log_file))
 
 
-def test_manifest_has_counts_hashes_filters_and_quarantine(built: tuple[Path, dict]) -> None:
+def test_manifest_has_counts_hashes_filters_and_quarantine(
+    built: tuple[Path, dict], log_file: Path
+) -> None:
     data_dir, manifest = built
     assert manifest["quarantine"]["logs"] == {"truncated_json": 1, "wrong_type": 1}
-    assert manifest["processing"]["dropped_by_filter"]["dedup=True"] >= 1
+    assert manifest["processing"]["dropped_by_filter"]["dedup"] >= 1
     assert manifest["config"]["filters"] == build.default_config()["filters"]
     scrubbing = manifest["secret_scrubbing"]
-    assert min(scrubbing["recall_seeded"], scrubbing["recall_held_out"]) >= 0.99, scrubbing
-    assert scrubbing["precision"] >= 0.99 and scrubbing["clean_lines_altered"] == 0, scrubbing
+    assert scrubbing["formats"] >= 25 and scrubbing["min_recall"] >= 0.99, scrubbing
+    assert scrubbing["negatives"] >= 300 and scrubbing["negatives_altered_share"] <= 0.02
+    (name, counts), = manifest["inputs"].items()  # per input file, as the summary prints
+    assert name == str(log_file) and counts["quarantined"] == 2 and counts["deduplicated"] >= 1
+    assert counts["accepted"] == counts["examples"] + counts["deduplicated"] + counts["filtered"]
+    assert manifest["warnings"] == [] and manifest["routing"]["left_out"] == {}
     assert set(manifest["playbooks"]["per_domain"]) == set(routing.DOMAINS)
     out = build.dataset_dir(data_dir)
     on_disk = {
@@ -126,9 +133,9 @@ def test_when_every_line_is_bad_the_quarantine_is_written_and_named(tmp_path: Pa
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "language": "python"\n[1]\nnot json\n')
     with pytest.raises(
-        processing.NoExamplesError,
-        match=r"no input records.*quarantined input lines: "
-        r"\{'invalid_json': 1, 'truncated_json': 1, 'wrong_type': 1\}",
+        build.BuildError,
+        match=r"inputs.logs\[0\]: .*bad.jsonl: no record accepted, 3 line\(s\) quarantined "
+        r"\(top reasons: truncated_json 1, wrong_type 1, invalid_json 1\); see .*logs.quarantine",
     ):
         build.build(tmp_path / "data", _cfg(bad))
     q = build.dataset_dir(tmp_path / "data") / "quarantine" / "logs.quarantine.jsonl"
@@ -141,15 +148,26 @@ def test_a_missing_input_file_is_named(tmp_path: Path) -> None:
         build.build(tmp_path, _cfg(Path("/no/such.jsonl")))
 
 
-def test_dedup_uses_the_normalised_code(log_file: Path) -> None:
+def test_dedup_keys_on_code_and_outcome_by_default_or_as_configured(log_file: Path) -> None:
+    import copy
+
     twin = next(parse_records(log_file, Quarantine()))
     twin2 = ExecutionRecord(
         **{**twin.__dict__, "id": "twin", "code": "  " + twin.code.replace("\n", "  # note\n")}
     )
-    examples, stats = processing.process([twin, twin2], processing.Filters())
-    assert [e["id"] for e in examples] == [twin.id] and stats["dropped_by_filter"] == {
-        "dedup=True": 1
-    }
+    rerun = copy.deepcopy(twin2)  # the same code run again, with another outcome
+    rerun.id = "rerun"
+    rerun.execution.logs.stdout = ["something else\n"]
+    q = Quarantine()
+    examples, stats = processing.process([twin, twin2, rerun], processing.Filters(), q)
+    assert [e["id"] for e in examples] == [twin.id, "rerun"] and not q.entries
+    assert stats["dropped_by_filter"] == {"dedup": 1}
+    on_code = processing.Filters.from_dict({"dedup": ["code"]})
+    assert [e["id"] for e in processing.process([twin, twin2, rerun], on_code, q)[0]] == [twin.id]
+    keep_all = processing.Filters.from_dict({"dedup": []})
+    assert len(processing.process([twin, twin2, rerun], keep_all, q)[0]) == 3
+    with pytest.raises(ValueError, match=r"filters.dedup must be a list of fields from \["):
+        processing.Filters.from_dict({"dedup": True})
 
 
 def test_playbooks_consolidate_filter_top_k_and_quarantine(

@@ -1,9 +1,11 @@
 """Console script `capibara-exp-data`: build the E2B / ACE / MoE routing data (Hydra).
 
 Composes conf/data_build.yaml with the command line and calls `build.ensure_built`; the
-manifest path and the counts are printed. Examples:
+build's summary is printed (the manifest's path, per input file accepted / quarantined /
+deduplicated / filtered counts, warnings, quarantine and scrubbing figures). Examples:
   capibara-exp-data                                  # build under ./data (if not built)
   capibara-exp-data data_dir=/tmp/d force=true filters.min_quality=0.5
+  capibara-exp-data 'inputs.logs=[my_e2b_logs.jsonl]' 'collect.sources=[]'
 """
 
 from __future__ import annotations
@@ -21,22 +23,15 @@ PROG = "capibara-exp-data"
 
 @hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
 def _app(cfg: DictConfig) -> None:
-    from capibara_exp.data import build
+    from capibara_exp.data.e2b import build
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     data_dir, force = settings.pop("data_dir"), settings.pop("force")
     settings.pop("hydra", None)
-    # BuildError, NoExamplesError, bad settings: named in the message
-    with user_errors(PROG, ValueError):
+    # BuildError, NoExamplesError, bad settings (ConfigErrors): named in the message
+    with user_errors(PROG):
         manifest = build.ensure_built(data_dir, build.build_config(settings), force=force)
-    summary = {
-        "manifest": str(build.dataset_dir(data_dir) / "manifest.json"),
-        "examples": manifest["processing"]["examples_out"],
-        "routing": manifest["routing"]["per_domain_split"],
-        "quarantine": manifest["quarantine"],
-        "secret_scrubbing": manifest["secret_scrubbing"],
-    }
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(build.summary(manifest, data_dir), indent=2, ensure_ascii=False))
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ deterministic for a given Python version.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -29,14 +30,16 @@ def corpus_dir(data_dir: str | os.PathLike) -> Path:
     return Path(data_dir) / CORPUS_NAME
 
 
-def _stdlib_sources() -> list[Path]:
+@functools.cache
+def stdlib_sources() -> tuple[Path, ...]:
+    """The stdlib's own modules (no tests, no vendored code), sorted; cached per process."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for path in sorted(root.rglob("*.py")):
         if _SKIP_DIRS.intersection(path.relative_to(root).parts):
             continue
         files.append(path)
-    return files
+    return tuple(files)
 
 
 def _docstrings(source: str) -> list[str]:
@@ -83,7 +86,7 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
         return json.loads(manifest_path.read_text())
     seen: set[str] = set()
     splits: dict[str, list[str]] = {"train": [], "validation": []}
-    sources = _stdlib_sources()
+    sources = stdlib_sources()
     for path in sources:
         for doc in _docstrings(path.read_text(encoding="utf-8", errors="replace")):
             for line in _lines(doc):
@@ -96,14 +99,14 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
                 "files_read": len(sources), "splits": {}}
     for split, lines in splits.items():
         payload = ("\n".join(lines) + "\n").encode()
-        _atomic_write(out_dir / f"{split}.txt", payload)
+        atomic_write(out_dir / f"{split}.txt", payload)
         manifest["splits"][split] = {"lines": len(lines), "bytes": len(payload),
                                      "sha256": hashlib.sha256(payload).hexdigest()}
-    _atomic_write(manifest_path, json.dumps(manifest, indent=2).encode())
+    atomic_write(manifest_path, json.dumps(manifest, indent=2).encode())
     return manifest
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
+def atomic_write(path: Path, payload: bytes) -> None:
     """Write via a temporary file and rename, so a killed build never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:

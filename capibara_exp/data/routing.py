@@ -15,15 +15,28 @@ import re
 DOMAINS = ("python", "sql", "javascript", "debug", "ml", "api")
 DIFFICULTIES = ("easy", "medium", "hard")
 SPLITS = ("train", "validation", "test")
-_ML = re.compile(r"^(numpy|statistics|random|math|cmath|decimal|fractions)(\.|$)")
+_ML = re.compile(
+    r"^(numpy|statistics|random|math|cmath|decimal|fractions|pandas|scipy|sklearn|torch|jax"
+    r"|tensorflow|polars)(\.|$)"
+)
 _API = re.compile(
     r"^(json|urllib|http|email|base64|binascii|html|xml|xmlrpc|wsgiref|ipaddress|"
     r"mimetypes|uuid|hashlib|hmac|secrets|ssl|socket|smtplib|imaplib|ftplib|quopri|"
-    r"uu|mailbox|netrc|cgi|undici|node-fetch|npm-registry-fetch|libnpm\w*|pacote)(\.|$|/)"
+    r"uu|mailbox|netrc|cgi|undici|node-fetch|npm-registry-fetch|libnpm\w*|pacote|requests|httpx"
+    r"|aiohttp)(\.|$|/)"
 )
 _JS_API = re.compile(
     r"\bfetch\(|\bhttps?://|\brequest\(|\bundici\b|\bJSON\.(parse|stringify)\b|\bregistry\b"
 )
+
+
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+([\w.]+)", re.M)
+
+
+def _first_import(code: str) -> str:
+    """The first module a cell imports: the domain of a record with no source (user logs)."""
+    m = _IMPORT.search(code)
+    return m.group(1) if m else ""
 
 
 def domain_of(example: dict) -> str:
@@ -32,7 +45,7 @@ def domain_of(example: dict) -> str:
         return "debug"
     if example["language"] == "sql":
         return "sql"
-    module = example["source"].split(":", 1)[-1]
+    module = example["source"].split(":", 1)[-1] or _first_import(example["code"])
     if example["language"] == "javascript":
         return "api" if _JS_API.search(example["code"]) or _API.match(module) else "javascript"
     if _ML.match(module):
@@ -49,15 +62,22 @@ def split_of(example_id: str, validation_percent: int, test_percent: int) -> str
 
 
 def render_execution(example: dict, domain: str) -> str:
-    """The training text of an executed cell: routing header, code, then what it showed."""
+    """The training text of an executed cell: routing header, code, then what it showed:
+    its output, its stderr, and its error (with the traceback in the debug domain, where
+    reading it is the task)."""
     head = (
         f"<domain:{domain}> <difficulty:{example['difficulty']}> <language:{example['language']}>"
     )
     body = [head, "### code", example["code"].rstrip()]
     if example["output"].strip():
         body += ["### output", example["output"].rstrip()]
-    if example["error"]:
-        body += ["### error", example["error"]]
+    if example["stderr"].strip():
+        body += ["### stderr", example["stderr"].rstrip()]
+    error = example["error"]
+    if error:
+        if domain == "debug" and error["traceback"].strip():
+            body += ["### traceback", error["traceback"].rstrip()]
+        body += ["### error", f"{error['name']}: {error['value']}".strip()]
     return "\n".join(body)
 
 

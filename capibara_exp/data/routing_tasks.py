@@ -7,18 +7,23 @@ the domain's index in routing.DOMAINS, a fixed order: python 0, sql 1, javascrip
 debug 3, ml 4, api 5 (router supervision asks for expert `domain_id mod num_experts`).
 Mixtures take their rates from conf/data/ (`mixture_rates` of every data config whose
 task module is this one).
-The data are built under $CAPIBARA_DATA_DIR on first read (capibara_exp/data/build.py).
+The data are built under $CAPIBARA_DATA_DIR on first read (capibara_exp/data/e2b/build.py).
+A domain or source whose built examples leave a split empty (the manifest's
+`routing.left_out`, e.g. a build from user logs with no JavaScript) is left out of every
+mixture: a mixture sampling an empty task would wait forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
 import seqio
 import tensorflow as tf
 
-from capibara_exp.data import build, routing
+from capibara_exp.data import routing
+from capibara_exp.data.e2b import build
 from capibara_exp.data.tasks import LM_OUTPUT_FEATURES, data_dir, split_to_length
 
 TASK_PREFIX = "capibara_routing_"
@@ -94,9 +99,30 @@ def _task_of(key: str) -> str:
     return SOURCE_TASKS.get(key) or domain_task(key)
 
 
-def add_mixture(name: str, rates: dict) -> str:
+def _left_out(build_first: bool) -> dict[str, str]:
+    """Domains and sources the built data leave out of mixtures (none before a build)."""
+    if build_first:
+        return build.ensure_built(data_dir())["routing"].get("left_out", {})
+    path = build.dataset_dir(data_dir()) / "manifest.json"
+    try:
+        return json.loads(path.read_text())["routing"].get("left_out", {})
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _without_left_out(name: str, rates: dict[str, float], left_out: dict) -> dict[str, float]:
+    kept = {k: r for k, r in rates.items() if k not in left_out}
+    if not any(r > 0 for r in kept.values()):
+        raise ValueError(
+            f"mixture {name}: every task with a rate > 0 is left out of the built data "
+            f"({left_out}); rebuild with more logs (capibara-exp-data)"
+        )
+    return kept
+
+
+def add_mixture(name: str, rates: dict, left_out: dict | None = None) -> str:
     """Register a mixture of routing tasks (keys: domains or sources) with these rates."""
-    rates = _check_rates(name, rates)
+    rates = _without_left_out(name, _check_rates(name, rates), left_out or {})
     if name not in seqio.MixtureRegistry.names():
         seqio.MixtureRegistry.add(name, [(_task_of(k), r) for k, r in rates.items() if r > 0])
     return name
@@ -108,14 +134,15 @@ def mixture_with_rates(name: str, rates: dict) -> str:
     gin calls this (gin/data/routing.gin), so rates overridden on the command line
     (data.mixture_rates.sql=2.0) reach the mixture in both engines.
     """
-    rates = _check_rates(name, dict(rates))
+    left_out = _left_out(build_first=True)
+    rates = _without_left_out(name, _check_rates(name, dict(rates)), left_out)
     if name in seqio.MixtureRegistry.names():
         mixture = seqio.get_mixture_or_task(name)
         current = {t.name: mixture.get_rate(t) for t in mixture.tasks}
         if current == {_task_of(k): r for k, r in rates.items() if r > 0}:
             return name
     tag = hashlib.sha256(json.dumps(rates, sort_keys=True).encode()).hexdigest()[:8]
-    return add_mixture(f"{name}_{tag}", rates)
+    return add_mixture(f"{name}_{tag}", rates, left_out)
 
 
 def _shipped_mixtures() -> dict[str, dict]:
@@ -138,8 +165,10 @@ def register() -> None:
         _add_task(domain_task(domain), "routing", domain)
     for source, task in SOURCE_TASKS.items():
         _add_task(task, "sources", source)
+    left_out = _left_out(build_first=False)
     for name, rates in _shipped_mixtures().items():
-        add_mixture(name, rates)
+        with contextlib.suppress(ValueError):  # all left out: mixture_with_rates says so
+            add_mixture(name, rates, left_out)
 
 
 register()

@@ -140,7 +140,7 @@ def _doctest_snippets(
 
 def stdlib_doctests() -> Iterator[Snippet]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return _doctest_snippets(corpus._stdlib_sources(), root, "stdlib-doctest")
+    return _doctest_snippets(corpus.stdlib_sources(), root, "stdlib-doctest")
 
 
 def numpy_doctests() -> Iterator[Snippet]:

@@ -1,12 +1,12 @@
 """Build the E2B / ACE / routing data under `<data_dir>/e2b_routing/` with a manifest.
 
-collect (sandbox) -> parse (quarantine) -> process (scrub, score, filter, dedup) ->
-playbooks (derive, parse, consolidate) -> routing examples (domain, difficulty, split).
-The manifest records counts, the sha256 of every file the build wrote (logs/, examples/,
-playbooks/, quarantine/, routing/, sources/), the filters, the quarantine counts, the
-scrubbing recall and precision, and the fingerprint of the build config: a run whose data
-are already built for the same config reuses them, so the first run that needs the data
-builds them and the others wait.
+gate (scrubbing measured on the held-out corpus) -> collect (sandbox, scrubbed) -> parse
+(schema, quarantine) -> process (scrub, score, filter, dedup) -> playbooks -> routing
+examples (domain, difficulty, split). The manifest records counts per input file, the
+sha256 of every file the build wrote, the filters, the quarantine counts, the scrubbing
+figures and the fingerprint of the build config: a run whose data are already built for
+the same config reuses them, so the first run that needs the data builds them and the
+others wait.
 """
 
 from __future__ import annotations
@@ -19,17 +19,12 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from capibara_exp.data import (
-    collector,
-    e2b_records,
-    playbooks,
-    processing,
-    routing,
-    sandbox,
-    secrets,
-)
-from capibara_exp.data.corpus import _atomic_write
-from capibara_exp.data.quarantine import Quarantine
+from capibara_exp.data import routing
+from capibara_exp.data.corpus import atomic_write
+from capibara_exp.data.e2b import collector, heldout, playbooks, processing, report, sandbox
+from capibara_exp.data.e2b.quarantine import Quarantine
+from capibara_exp.data.e2b.records import parse_records
+from capibara_exp.data.e2b.report import BuildError
 
 DATASET = "e2b_routing"
 SOURCES = ("e2b_logs", "ace_playbooks")
@@ -41,14 +36,12 @@ _KEYS = (
     "playbooks",
     "splits",
     "secret_scrubbing",
+    "require_all_domains",
 )
 # The build's own folders: every file in them is hashed in the manifest, and a file a
 # build did not write (left by an earlier build) is removed.
 _OUTPUT_DIRS = ("logs", "examples", "playbooks", "quarantine", "routing", "sources")
-
-
-class BuildError(ValueError):
-    """The data cannot be built as configured (the message names the setting)."""
+__all__ = ["BuildError", "build", "build_config", "dataset_dir", "ensure_built", "summary"]
 
 
 def dataset_dir(data_dir: str | os.PathLike) -> Path:
@@ -71,34 +64,32 @@ def fingerprint(cfg: dict) -> str:
     ).hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
 
 
-def _check_scrubbing(cfg: dict) -> dict:
-    """Recall (seeded and held-out sets) and precision of secret scrubbing, or BuildError."""
+def check_scrubbing(cfg: dict) -> dict:
+    """Recall per credential format and negatives altered on the held-out corpus, or
+    BuildError: no training data are built with a scrubber below its goals."""
     sc = cfg["secret_scrubbing"]
-    report = secrets.evaluate(sc["seed"], sc["samples"])
-    for name in ("recall_seeded", "recall_held_out"):
-        if report[name] < sc["min_recall"]:
-            raise BuildError(
-                f"secret scrubbing {name} {report[name]:.3f} is below "
-                f"secret_scrubbing.min_recall={sc['min_recall']}: refusing to build training data"
-            )
-    if report["precision"] < sc["min_precision"]:
+    report = heldout.evaluate(sc["seed"], sc["samples_per_format"])
+    below = {k: v for k, v in report["recall"].items() if v < sc["min_recall"]}
+    if below:
         raise BuildError(
-            f"secret scrubbing precision {report['precision']:.3f} is below "
-            f"secret_scrubbing.min_precision={sc['min_precision']}"
+            f"secret scrubbing recall below secret_scrubbing.min_recall={sc['min_recall']} "
+            f"for {below} on the held-out corpus: refusing to build training data"
         )
-    return report
+    if report["negatives_altered_share"] > sc["max_negatives_altered"]:
+        raise BuildError(
+            f"secret scrubbing altered {report['negatives_altered_share']:.2%} of the held-out "
+            f"negatives, over secret_scrubbing.max_negatives_altered="
+            f"{sc['max_negatives_altered']}"
+        )
+    return {k: v for k, v in report.items() if k != "missed_channels"}
 
 
-def _check_inputs(cfg: dict) -> None:
+def _inputs(cfg: dict) -> list[Path]:
     for key in ("logs", "playbooks"):
         paths = cfg["inputs"][key]
         if not isinstance(paths, list):
@@ -106,24 +97,62 @@ def _check_inputs(cfg: dict) -> None:
         for i, path in enumerate(paths):
             if not Path(path).is_file():
                 raise BuildError(f"inputs.{key}[{i}]: {path} is not a file")
+    return [Path(p) for p in cfg["inputs"]["logs"]]
 
 
-def _records(
-    out: Path, cfg: dict, quarantine: Quarantine
-) -> tuple[list[e2b_records.ExecutionRecord], dict]:
+def _quarantine_path(out: Path, name: str) -> Path:
+    return out / "quarantine" / f"{name}.quarantine.jsonl"
+
+
+def _records(out: Path, cfg: dict, quarantine: Quarantine, inputs: list[Path]):
+    """Collect (if asked) and parse every log: the records, per-file keys, collection stats."""
     c = cfg["collect"]
     collected = out / "logs" / "collected.jsonl"
-    limits = sandbox.Limits(cell_timeout_s=c["cell_timeout_s"], memory_mb=c["memory_mb"])
-    stats = {}
+    stats: dict = {}
     if c["sources"]:
+        limits = sandbox.Limits(cell_timeout_s=c["cell_timeout_s"], memory_mb=c["memory_mb"])
         _, stats = collector.collect(
             collected, c["sources"], c["max_per_source"], limits, c["use_e2b"]
         )
-    paths = ([collected] if c["sources"] else []) + [Path(p) for p in cfg["inputs"]["logs"]]
-    records = []
+    paths = ([collected] if c["sources"] else []) + inputs
+    records, ignored = [], {}
     for path in paths:  # the collected log goes through the same parser as any input
-        records += e2b_records.parse_records(path, quarantine, cfg["max_line_bytes"])
-    return records, stats
+        ignored[str(path)] = Counter()
+        records += parse_records(path, quarantine, cfg["max_line_bytes"], ignored[str(path)])
+    return records, ignored, stats
+
+
+def _examples(out: Path, cfg: dict, log_q: Quarantine, written: list[Path], inputs: list[Path]):
+    """Parse and process the logs; the quarantine is written before anything can stop."""
+    records, ignored, collection = _records(out, cfg, log_q, inputs)
+    written += [out / "logs" / "collected.jsonl"] if cfg["collect"]["sources"] else []
+    examples, stats = processing.process(
+        records, processing.Filters.from_dict(cfg["filters"]), log_q
+    )
+    log_q.write(_quarantine_path(out, "logs"), root=out)
+    written.append(_quarantine_path(out, "logs"))
+    per_input = report.per_input(ignored, stats["per_file"], log_q, root=out)
+    report.check_inputs(per_input, cfg, _quarantine_path(out, "logs"))
+    report.check_examples(examples, stats, log_q, cfg, _quarantine_path(out, "logs"))
+    _write_jsonl(out / "examples" / "examples.jsonl", examples)
+    written.append(out / "examples" / "examples.jsonl")
+    return examples, stats, collection, per_input
+
+
+def _playbooks(out: Path, cfg: dict, examples: list[dict], pb_q: Quarantine, written: list[Path]):
+    derived = out / "playbooks" / "derived.jsonl"
+    playbooks.write(derived, playbooks.derive(examples))
+    paths = [derived] + [Path(p) for p in cfg["inputs"]["playbooks"]]
+    parsed = [pb for p in paths for pb in playbooks.parse(p, pb_q, cfg["max_line_bytes"])]
+    pb_q.write(_quarantine_path(out, "playbooks"), root=out)
+    kept, stats = playbooks.consolidate(parsed, playbooks.PlaybookFilters(**cfg["playbooks"]))
+    playbooks.write(out / "playbooks" / "consolidated.jsonl", kept)
+    written += [
+        derived,
+        _quarantine_path(out, "playbooks"),
+        out / "playbooks" / "consolidated.jsonl",
+    ]
+    return kept, stats
 
 
 def _routing_rows(examples: list[dict], kept: list[dict], splits: dict) -> list[dict]:
@@ -166,56 +195,6 @@ def _files(out: Path) -> list[Path]:
     )
 
 
-def _quarantine_path(out: Path, name: str) -> Path:
-    return out / "quarantine" / f"{name}.quarantine.jsonl"
-
-
-def _examples(out: Path, cfg: dict, log_q: Quarantine, written: list[Path]):
-    """Collect, parse and process the logs; the quarantine is written before anything can stop."""
-    records, collection = _records(out, cfg, log_q)
-    written += [out / "logs" / "collected.jsonl"] if cfg["collect"]["sources"] else []
-    log_q.write(_quarantine_path(out, "logs"), root=out)
-    written.append(_quarantine_path(out, "logs"))
-    try:
-        examples, stats = processing.process(records, processing.Filters.from_dict(cfg["filters"]))
-    except processing.NoExamplesError as err:
-        raise processing.NoExamplesError(
-            f"{err}; quarantined input lines: {log_q.summary() or 'none'} "
-            f"(see {_quarantine_path(out, 'logs')})"
-        ) from None
-    _write_jsonl(out / "examples" / "examples.jsonl", examples)
-    written.append(out / "examples" / "examples.jsonl")
-    return examples, stats, collection
-
-
-def _playbooks(out: Path, cfg: dict, examples: list[dict], pb_q: Quarantine, written: list[Path]):
-    derived = out / "playbooks" / "derived.jsonl"
-    playbooks.write(derived, playbooks.derive(examples))
-    paths = [derived] + [Path(p) for p in cfg["inputs"]["playbooks"]]
-    parsed = [pb for p in paths for pb in playbooks.parse(p, pb_q, cfg["max_line_bytes"])]
-    pb_q.write(_quarantine_path(out, "playbooks"), root=out)
-    kept, stats = playbooks.consolidate(parsed, playbooks.PlaybookFilters(**cfg["playbooks"]))
-    playbooks.write(out / "playbooks" / "consolidated.jsonl", kept)
-    written += [
-        derived,
-        _quarantine_path(out, "playbooks"),
-        out / "playbooks" / "consolidated.jsonl",
-    ]
-    return kept, stats
-
-
-def _routing_stats(rows: list[dict]) -> dict:
-    return {
-        "examples": len(rows),
-        "per_domain_split": {
-            f"{d}/{s}": n
-            for (d, s), n in sorted(Counter((r["domain"], r["split"]) for r in rows).items())
-        },
-        "per_difficulty": dict(Counter(r["difficulty"] for r in rows)),
-        "per_source": dict(Counter(r["source"] for r in rows)),
-    }
-
-
 def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
     """Build everything from scratch; return the manifest (also written as manifest.json).
 
@@ -223,21 +202,15 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
     stops for lack of examples still shows why; a build that stops leaves no manifest.
     """
     out = dataset_dir(data_dir)
-    _check_inputs(cfg)
-    scrubbing = _check_scrubbing(cfg)
+    inputs = _inputs(cfg)
+    scrubbing = check_scrubbing(cfg)
     (out / "manifest.json").unlink(missing_ok=True)  # the files are about to change
     log_q, pb_q, written = Quarantine(), Quarantine(), []
-    examples, proc_stats, collection = _examples(out, cfg, log_q, written)
+    examples, proc_stats, collection, per_input = _examples(out, cfg, log_q, written, inputs)
     kept, pb_stats = _playbooks(out, cfg, examples, pb_q, written)
-    quarantined = {"logs": log_q.summary(), "playbooks": pb_q.summary()}
     rows = _routing_rows(examples, kept, cfg["splits"])
-    empty = [d for d in routing.DOMAINS if not any(r["domain"] == d for r in rows)]
-    if empty:
-        raise BuildError(
-            f"no examples in domain(s) {empty} after filtering; filters: {cfg['filters']}, "
-            f"playbooks: {cfg['playbooks']}, collect.sources: {cfg['collect']['sources']}; "
-            f"quarantined: {quarantined}"
-        )
+    left_out = report.left_out_tasks(rows, SOURCES)
+    report.check_domains(left_out, cfg)
     written += _write_tasks(out, rows)
     for stale in set(_files(out)) - set(written):
         stale.unlink()  # left by an earlier build with other settings; not part of this one
@@ -245,16 +218,18 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
         "dataset": DATASET,
         "fingerprint": fingerprint(cfg),
         "config": {k: cfg[k] for k in _KEYS},
+        "inputs": per_input,
+        "warnings": report.warnings(left_out),
         "secret_scrubbing": scrubbing,
         "sandbox_network": sandbox.network_isolation(),
         "collection": collection,
-        "processing": proc_stats,
+        "processing": {k: v for k, v in proc_stats.items() if k != "per_file"},
         "playbooks": pb_stats,
-        "quarantine": quarantined,
-        "routing": _routing_stats(rows),
-        "files": {str(p.relative_to(out)): _sha256(p) for p in _files(out)},
+        "quarantine": {"logs": log_q.summary(), "playbooks": pb_q.summary()},
+        "routing": {**report.routing_stats(rows), "left_out": left_out},
+        "files": {str(p.relative_to(out)): report.sha256(p) for p in _files(out)},
     }
-    _atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
+    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
     return manifest
 
 
@@ -276,6 +251,27 @@ def ensure_built(data_dir: str | os.PathLike, cfg: dict | None = None, force: bo
                 if cfg is None or manifest.get("fingerprint") == fingerprint(cfg):
                     return manifest
         return build(data_dir, cfg or default_config())
+
+
+def summary(manifest: dict, data_dir: str | os.PathLike) -> dict:
+    """What `capibara-exp-data` prints: where the manifest is and what the build did."""
+    scrubbing = manifest["secret_scrubbing"]
+    scrubbed = Counter(manifest["collection"].get("secrets_scrubbed", {}))
+    scrubbed.update(manifest["processing"]["secrets_scrubbed"])
+    return {
+        "manifest": str(dataset_dir(data_dir) / "manifest.json"),
+        "inputs": manifest["inputs"],
+        "warnings": manifest["warnings"],
+        "examples": manifest["processing"]["examples_out"],
+        "routing": manifest["routing"]["per_domain_split"],
+        "quarantine": manifest["quarantine"],
+        "secret_scrubbing": {
+            "formats": scrubbing["formats"],
+            "min_recall": scrubbing["min_recall"],
+            "negatives_altered_share": scrubbing["negatives_altered_share"],
+            "scrubbed_in_this_build": dict(sorted(scrubbed.items())),
+        },
+    }
 
 
 def build_config(overrides: dict) -> dict:

@@ -12,14 +12,16 @@ import datetime
 import itertools
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from e2b_code_interpreter.models import Execution, ExecutionError, Logs, Result
 
-from capibara_exp.data import sandbox, snippets
-from capibara_exp.data.e2b_records import ExecutionRecord, write_records
+from capibara_exp.data.e2b import processing, sandbox, snippets
+from capibara_exp.data.e2b.records import ExecutionRecord, write_records
+from capibara_exp.errors import ConfigError
 
 SOURCES: dict[str, Callable[[], Iterator[snippets.Snippet]]] = {
     "stdlib_doctests": snippets.stdlib_doctests,
@@ -39,7 +41,9 @@ def gather(
     out, stats = [], {}
     for name in sources:
         if name not in SOURCES:
-            raise ValueError(f"collector source '{name}' is unknown (known: {', '.join(SOURCES)})")
+            raise ConfigError(
+                f"collect.sources: unknown source '{name}' (known: {', '.join(SOURCES)})"
+            )
         found = SOURCES[name]()
         if name == "markdown_javascript":
             if sandbox.node_binary() is None:
@@ -161,15 +165,23 @@ def collect(
     limits: sandbox.Limits,
     use_e2b: bool = False,
 ) -> tuple[list[ExecutionRecord], dict]:
-    """Execute the sources' snippets and write their execution log to `path` (JSONL).
+    """Execute the sources' snippets and write their execution log to `path` (JSONL),
+    scrubbed: no secret a snippet holds or prints reaches the disk.
 
-    Returns the records and, per source, how many snippets ran and what was left out."""
+    Returns the scrubbed records and, per source, how many snippets ran and what was left
+    out (and the secrets scrubbed, under `secrets_scrubbed`)."""
     if use_e2b and not os.environ.get("E2B_API_KEY"):
-        raise ValueError("collect.use_e2b=true needs an E2B API key in $E2B_API_KEY")
+        raise ConfigError("collect.use_e2b=true needs an E2B API key in $E2B_API_KEY")
     items, stats = gather(sources, max_per_source, limits)
     if use_e2b:
         records = collect_e2b(items, limits.cell_timeout_s)
     else:
         records = collect_local(items, limits)
-    write_records(path, records)
-    return records, stats
+    found: Counter = Counter()
+    clean = []
+    for record in records:
+        scrubbed, counts = processing.scrubbed_record(record)
+        clean.append(scrubbed)
+        found.update(counts)
+    write_records(path, clean)
+    return clean, {**stats, "secrets_scrubbed": dict(sorted(found.items()))}

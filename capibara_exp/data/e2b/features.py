@@ -10,7 +10,7 @@ import ast
 import difflib
 import re
 
-from capibara_exp.data.e2b_records import ExecutionRecord, split_expected
+from capibara_exp.data.e2b.records import ExecutionRecord, split_expected
 
 _LANG_PATTERNS = {
     "python": [
@@ -88,7 +88,7 @@ def detect_language(code: str) -> str:
     try:
         ast.parse(code)
         scores["python"] += 2  # it parses as Python: strong evidence
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):  # RecursionError: `1+1+...` x 1e5
         pass
     return max(scores, key=lambda lang: (scores[lang], -list(scores).index(lang)))
 
@@ -96,7 +96,7 @@ def detect_language(code: str) -> str:
 def _python_features(code: str) -> dict[str, int] | None:
     try:
         tree = ast.parse(code)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):  # RecursionError: `1+1+...` x 1e5
         return None
     kinds = {
         "functions": (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda),
@@ -129,6 +129,9 @@ def code_features(code: str, language: str) -> dict[str, int]:
     return feats
 
 
+_MATCH_CHARS = 8000
+
+
 def _normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.replace("<BLANKLINE>", "").strip().splitlines())
 
@@ -143,6 +146,8 @@ def expected_match(record: ExecutionRecord) -> float | None:
     want, got = _normalise_output(expected), _normalise_output(record.output_text)
     if want == got:
         return 1.0
+    # SequenceMatcher is quadratic: long outputs are compared on their first characters
+    want, got = want[:_MATCH_CHARS], got[:_MATCH_CHARS]
     return difflib.SequenceMatcher(None, want, got, autojunk=False).ratio()
 
 

@@ -16,13 +16,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from capibara_exp.data import routing
-from capibara_exp.data.quarantine import (
-    MISSING_FIELD,
-    OUT_OF_RANGE,
-    WRONG_TYPE,
-    Quarantine,
-    read_json_lines,
-)
+from capibara_exp.data.e2b import scrub
+from capibara_exp.data.e2b.jsonl import read_json_lines
+from capibara_exp.data.e2b.quarantine import Quarantine
+from capibara_exp.data.e2b.reasons import MISSING_FIELD, OUT_OF_RANGE, PROCESSING_ERROR, WRONG_TYPE
 
 _FEATURE_ADVICE = {
     "functions": "Factor the work into small functions",
@@ -75,9 +72,8 @@ def _entries(items: list[dict]) -> list[dict]:
         if ex["succeeded"]:
             feats.update(k for k, v in ex["features"].items() if v and k in _FEATURE_ADVICE)
         else:
-            errors[
-                (ex["error_name"], ex["error"].splitlines()[0][:120] if ex["error"] else "")
-            ] += 1
+            err = ex["error"] or {"name": "", "value": ""}
+            errors[(err["name"], (err["value"].splitlines() or [""])[0][:120])] += 1
     entries = [
         {"section": "strategies", "content": _FEATURE_ADVICE[k], "helpful": n, "harmful": 0}
         for k, n in feats.most_common(6)
@@ -181,15 +177,19 @@ def validate(obj: dict) -> str | None:
 
 
 def parse(path: Path, quarantine: Quarantine, max_line_bytes: int) -> list[dict]:
-    """Playbooks of one JSONL file; malformed lines are quarantined with their reason."""
+    """Playbooks of one JSONL file, scrubbed (their text becomes training data); malformed
+    lines are quarantined with their reason."""
     out = []
     for line_no, obj in read_json_lines(path, quarantine, max_line_bytes):
         problem = validate(obj)
         if problem:
             reason, _, detail = problem.partition(": ")
-            quarantine.add(str(path), line_no, reason, detail, json.dumps(obj)[:2000])
-        else:
-            out.append(obj)
+            quarantine.add(str(path), line_no, reason, detail, json.dumps(obj, ensure_ascii=False))
+            continue
+        try:
+            out.append(scrub.scrub_tree(obj)[0])
+        except Exception as err:  # noqa: BLE001 - one playbook's failure is quarantined
+            quarantine.add(str(path), line_no, PROCESSING_ERROR, f"scrub: {type(err).__name__}")
     return out
 
 

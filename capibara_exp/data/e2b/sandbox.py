@@ -25,7 +25,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from capibara_exp.data.e2b_records import utf8_text
+from capibara_exp.data.e2b.records import utf8_text
 
 RUNNERS = Path(__file__).parent / "runners"
 _RUNNER_FILES = {"python": "python_cells.py", "sql": "sql_cells.py", "javascript": "js_cells.js"}
