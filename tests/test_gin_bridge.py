@@ -132,14 +132,19 @@ def test_default_experiment_matches_golden_gin() -> None:
 @pytest.mark.parametrize("packing", [None, "seqio", "next_fit"])
 def test_default_data_packing_is_a_conf_key(packing: str | None, tmp_path: Path) -> None:
     """data.packing picks the local engine's packer for the default task too (first_fit
-    unless told); T5X packs with seqio and ignores it."""
-    from capibara_exp.data.packing import configured_packer
+    unless told), passed to the input pipeline in the DatasetConfigs the local engine's gin
+    edge builds; T5X packs with seqio and ignores it."""
+    from capibara_exp.data.packing import Packer
+    from capibara_exp.runtime import config as utils
 
     cfg = compose_config([f"data.packing={packing}"] if packing else [])
     text = gin_bridge.render(cfg, "local", GIN_DIR)
     assert f"PACKING = '{packing or 'first_fit'}'  # data.packing" in text
     gin_utils.parse(tmp_path / "config.gin", text)
-    assert configured_packer().strategy == (packing or "first_fit")
+    for scope in ("train", "train_eval"):
+        with gin.config_scope(scope):
+            dataset_cfg = gin.get_configurable(utils.DatasetConfig)()
+        assert dataset_cfg.packer == Packer(packing or "first_fit"), scope
     assert gin.query_parameter("train/utils.DatasetConfig.pack") is not None
 
 

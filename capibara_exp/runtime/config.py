@@ -51,6 +51,9 @@ class DatasetConfig:
     module: str | Sequence[str] | None = None
     use_memory_cache: bool = True
     trim_output_features: bool = True
+    # The local engine's own (T5X packs with seqio): how the input pipeline packs. The gin
+    # edge (gin_utils.parse) hands it the configured data_packing.packer; None: the default.
+    packer: Any = None
 
     def __post_init__(self) -> None:
         reject_unsupported("utils.DatasetConfig", use_cached=self.use_cached,

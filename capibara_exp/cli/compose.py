@@ -1,0 +1,172 @@
+"""Compose a command line as Hydra will, before Hydra starts the job (and makes its run dir).
+
+`compose` returns the composed config with where each value came from (the YAML file or the
+command line), so that config_check can name the file of a bad value; a composition Hydra
+refuses (a key typo, an option that does not exist, an unparsable override, malformed YAML
+in a file the command uses) becomes one ConfigError line, with a "did you mean" from the
+keys and options the config has.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from capibara_exp.config_check import COMMAND_LINE, Composition, did_you_mean, flatten
+from capibara_exp.errors import ConfigError
+from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
+
+
+def search_dirs(extra: list[Path]) -> list[Path]:
+    """Where config files are looked up, in Hydra's order: `--config-dir`s, conf/, sweeps/."""
+    return [*(Path(d).absolute() for d in extra), CONF_DIR, SWEEPS_ROOT]
+
+
+def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
+            multirun: bool = False) -> Composition:
+    """The config Hydra will compose for this command line; ConfigError if it cannot."""
+    dirs = search_dirs(extra_dirs)
+    for d in dirs[: len(extra_dirs)]:
+        if not d.is_dir():
+            raise ConfigError(f"--config-dir {d}: no such directory")
+    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+    given = _with_search_path(overrides, dirs[: len(extra_dirs)])
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        try:
+            cfg = loader.load_configuration(config_name, given, mode, from_shell=True)
+            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
+        except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
+                yaml.YAMLError) as err:
+            raise ConfigError(_composition_error(err, config_name, dirs)) from None
+    comp = Composition(config_name, cfg, dict(cfg.hydra.runtime.choices), {}, {}, dirs)
+    _trace(comp, defaults, overrides)
+    return comp
+
+
+def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:
+    """What `--config-dir` adds, as an override of hydra.searchpath (which conf/config.yaml
+    sets to the sweeps' root: keep it)."""
+    if not extra:
+        return list(overrides)
+    paths = ",".join(f"file://{p}" for p in [SWEEPS_ROOT, *extra])
+    return [f"hydra.searchpath=[{paths}]", *overrides]
+
+
+def _trace(comp: Composition, defaults: list, overrides: list[str]) -> None:
+    """Fill setters and defaults from the defaults list (file by file, in order), then the
+    command line."""
+    groups = {g for g in comp.choices if not g.startswith("hydra")}
+    for item in defaults:
+        path = item.config_path
+        if not path or path.startswith("hydra/") or (item.package or "").startswith("hydra"):
+            continue
+        file = _find(path, comp.search_dirs)
+        if file is None:
+            continue
+        data = yaml.safe_load(file.read_text()) or {}
+        data.pop("defaults", None)
+        data.pop("hydra", None)
+        for part in reversed((item.package or "").split(".") if item.package else []):
+            data = {part: data}
+        group = path.split("/")[0] if "/" in path else ""
+        for key, value in flatten(comp.config_name, data).items():
+            comp.setters[key] = str(file)
+            top = key.split(".")[0]
+            defines = top == group if group else top not in groups
+            if defines:
+                comp.defaults[key] = value
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if key not in groups:
+            comp.setters[key] = COMMAND_LINE
+
+
+def _find(config_path: str, dirs: list[Path]) -> Path | None:
+    for root in dirs:
+        file = root / f"{config_path}.yaml"
+        if file.is_file():
+            return file
+    return None
+
+
+def known_keys(config_name: str, dirs: list[Path]) -> set[str]:
+    """Every key some file of the config defines: for suggestions when composition failed."""
+    keys: set[str] = set()
+    primary = _find(config_name, dirs)
+    if primary:
+        data = yaml.safe_load(primary.read_text()) or {}
+        keys |= set(flatten(config_name, {k: v for k, v in data.items()
+                                          if k not in ("defaults", "hydra")}))
+    for root in dirs:
+        for file in Path(root).glob("*/*.yaml"):
+            group = file.parent.name
+            try:
+                data = yaml.safe_load(file.read_text()) or {}
+            except yaml.YAMLError:
+                continue
+            if "@package _global_" not in file.read_text():
+                data = {group: data}
+            data.pop("defaults", None)
+            data = {k: v for k, v in data.items() if k == group}
+            keys |= set(flatten(config_name, data))
+    return keys
+
+
+def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> str:
+    """One line for what Hydra (or YAML) refused."""
+    if isinstance(err, yaml.YAMLError):
+        return yaml_problem(err)
+    message = str(err)
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        missing = err.missing_cfg_file
+        group, _, option = missing.rpartition("/")
+        options = list(err.options or [])
+        if options:
+            return (f"{group}={option}: no such option in {group}/ (choose from "
+                    f"{', '.join(options)}){did_you_mean(option, options)}")
+        groups = {d.name for root in dirs for d in Path(root).iterdir() if d.is_dir()}
+        hint = did_you_mean(group, groups) or " (groups: " + ", ".join(sorted(groups)) + ")"
+        return f"{group}={option}: no config group '{group}'{hint}"
+    if isinstance(err, OverrideParseException):
+        bad = getattr(err, "override", None) or ""
+        return f"cannot parse the override {bad!r}: {message.splitlines()[0]}".replace(
+            "cannot parse the override '': ", "cannot parse an override: ")
+    found = re.match(r"Could not override '([^']+)'", message)
+    if found:
+        key = found.group(1)
+        return (f"unknown key '{key}' (set by {COMMAND_LINE}): the config has no such key"
+                f"{did_you_mean(key, known_keys(config_name, dirs))}")
+    found = re.match(r"Could not append to config\. An item is already at '([^']+)'", message)
+    if found:
+        return (f"'+{found.group(1)}=...' adds a key that exists: set it without the + "
+                f"({found.group(1)}=...)")
+    found = re.search(r"Could not (?:load|find) '([^']+)'", message)
+    if found:
+        group, _, option = found.group(1).rpartition("/")
+        return f"{group}={option}: no such config file {found.group(1)}.yaml"
+    return message.strip().splitlines()[0]
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """'FILE:LINE:COL: malformed YAML: problem' from a YAML error."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a YAML file"
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{where}: malformed YAML: {problem}"
+
+
+def plain(cfg: DictConfig, key: str) -> Any:
+    """The value at a dotted key, resolved, as plain Python (lists and dicts)."""
+    value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
