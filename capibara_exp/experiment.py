@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -13,16 +12,13 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from capibara_exp import environment, gin_bridge, phases
-from capibara_exp.errors import ConfigError
+from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.launch import distributed, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
 ROUTING_TASKS = "capibara_exp.data.routing_tasks"
-T5X_INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI: on a TPU VM run "
-                    "`pip install 'git+https://github.com/google-research/t5x'` (and libtpu for "
-                    "TPUs), then re-run; engine=local trains the same config.gin without it.")
 
 
 def config_sources(choices: dict[str, str | None]) -> dict[str, str]:
@@ -97,6 +93,8 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
     if cfg.engine.name == "tpu_vm":
         return launch_tpu_vm(cfg, run_dir, choices)
     cfg = with_model_dir(cfg, run_dir)
+    if cfg.engine.name == "t5x":
+        cfg = _t5x_resume(cfg, run_dir)
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)
     path = write_gin(cfg, run_dir, choices, lambda: prepare_data(cfg))
     say(f"run dir {run_dir}")
@@ -112,11 +110,22 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
         gin_utils.run_train(path, actions=_sweep_actions(cfg))
         metrics = last_metrics(run_dir, "train_eval")
     elif cfg.engine.name == "t5x":
-        run_t5x(cfg, path, run_dir)
+        metrics = run_t5x(cfg, path, run_dir)
     else:
         raise ConfigError(f"engine.name: unknown engine '{cfg.engine.name}'")
     say(f"done; run dir {run_dir}")
     return metrics
+
+
+def _t5x_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """What T5X needs to continue the run dir's checkpoints, as gin_bindings (in config.gin)."""
+    from capibara_exp.launch import t5x_engine
+
+    extra = t5x_engine.resume_bindings(run_dir)
+    if extra:
+        with open_dict(cfg):
+            cfg.gin_bindings = [*cfg.get("gin_bindings", []), *extra]
+    return cfg
 
 
 def say(message: str) -> None:
@@ -166,9 +175,12 @@ def _sweep_actions(cfg: DictConfig) -> dict | None:
 
 
 def t5x_command(cfg: DictConfig, gin_path: Path) -> list[str]:
-    """T5X's own command, run by engine.python (default: this interpreter)."""
-    return [cfg.engine.python or sys.executable, "-m", "t5x.train", f"--gin_file={gin_path}",
-            *distributed.t5x_flags(cfg.distributed), *list(cfg.engine.extra_flags)]
+    """What engine=t5x runs: T5X's train script with the run's gin (engine.python, default
+    the interpreter running capibara-exp)."""
+    from capibara_exp.launch import t5x_engine
+
+    return t5x_engine.command(cfg.engine.python, gin_path,
+                              [*distributed.t5x_flags(cfg.distributed), *cfg.engine.extra_flags])
 
 
 def launch_tpu_vm(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]) -> None:
@@ -193,29 +205,14 @@ def launch_tpu_vm(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]
                           f"Cloud CLI, or run {launch} where it is")
     result = subprocess.run(["bash", str(launch)], check=False)
     if result.returncode:
-        raise ConfigError(f"{launch} exited with status {result.returncode}; see its output above")
+        raise RunError(f"{launch} exited with status {result.returncode}; see its output above")
 
 
-def run_t5x(cfg: DictConfig, gin_path: Path, run_dir: Path) -> None:
-    """Launch real T5X on the rendered gin, or explain how to install it."""
-    if importlib.util.find_spec("t5x") is None:
-        raise ConfigError(T5X_INSTALL_HINT)
-    rendered = gin_path.read_text()
-    try:
-        result = subprocess.run(t5x_command(cfg, gin_path), check=False)
-    finally:
-        keep_rendered_config(gin_path, rendered, run_dir, run_dir)
-    if result.returncode:
-        raise ConfigError(f"t5x.train exited with status {result.returncode}; see its log above")
+def run_t5x(cfg: DictConfig, gin_path: Path, run_dir: Path) -> dict | None:
+    """Launch real T5X on the rendered gin; the run dir ends as the local engine's does."""
+    from capibara_exp.launch import t5x_engine
 
-
-def keep_rendered_config(gin_path: Path, rendered: str, model_dir: Path, run_dir: Path) -> None:
-    """T5X writes its operative config to MODEL_DIR/config.gin: keep it as the run dir's
-    operative_config.gin, and config.gin the rendered file that ran."""
-    from capibara_exp.runtime.gin_utils import OPERATIVE_CONFIG
-
-    written = model_dir / CONFIG_GIN
-    if written.is_file() and written.read_text() != rendered:
-        (run_dir / OPERATIVE_CONFIG).write_text(written.read_text())
-    if not gin_path.is_file() or gin_path.read_text() != rendered:
-        gin_path.write_text(rendered)
+    t5x_engine.check_installed()
+    return t5x_engine.run(t5x_command(cfg, gin_path), gin_path, run_dir,
+                          int(cfg.trainer.train_steps), bool(cfg.get("verbose")),
+                          cfg.get("compilation_cache_dir"))

@@ -4,7 +4,6 @@ run the rendered config.gin, parsed against the engine's configurables."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -53,10 +52,10 @@ def check_run(comp: Composition, line: CommandLine) -> None:
         if cfg.get("model_dir") is not None:
             raise ConfigError(f"model_dir={cfg.model_dir} with -m: every job would write that "
                               "one dir; leave model_dir unset (each job gets its own)")
-    if cfg.engine.name == "t5x" and importlib.util.find_spec("t5x") is None:
-        from capibara_exp.experiment import T5X_INSTALL_HINT
+    if cfg.engine.name == "t5x":
+        from capibara_exp.launch import t5x_engine
 
-        raise ConfigError(T5X_INSTALL_HINT)
+        t5x_engine.check_installed()
     if cfg.engine.name == "tpu_vm":
         from capibara_exp.launch import tpu_vm
 
@@ -104,10 +103,11 @@ def check_sweep(comp: Composition) -> None:
     """Every value a sweep can give a key must be one the key allows: each choice, both ends
     of an interval or range; a config group's options must exist; the sweeper's settings."""
     hydra = comp.cfg.hydra
-    params = OmegaConf.to_container(hydra.sweeper.get("params") or {}, resolve=True)
-    task = [o for o in hydra.overrides.task]
     if "capibara_optuna" not in str(hydra.sweeper.get("_target_", "")):
         return
+    params = hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
+    task = list(hydra.overrides.task)
     from capibara_exp.sweeping import space, study
 
     settings = {k: v for k, v in OmegaConf.to_container(hydra.sweeper, resolve=True).items()

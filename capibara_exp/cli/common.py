@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import textwrap
 from collections.abc import Iterator
 
 from omegaconf import OmegaConf
@@ -18,6 +19,7 @@ from capibara_exp.errors import ConfigError
 from capibara_exp.paths import SWEEPS_ROOT
 
 USER_ERROR = 2
+RUN_FAILED = 1
 
 
 def user_cache_dir(name: str) -> str:
@@ -33,7 +35,25 @@ def merge_methods() -> str:
     return ", ".join([*METHODS, "fedavg"])
 
 
+def shipped_sweeps() -> str:
+    """The search spaces in sweeps/ (the config group `sweeps`)."""
+    return ", ".join(sorted(p.stem for p in (SWEEPS_ROOT / "sweeps").glob("*.yaml")))
+
+
+def sweeper_keys() -> str:
+    """The capibara_optuna sweeper's settings, from its YAML file."""
+    import yaml
+
+    from capibara_exp.paths import CONF_DIR
+
+    data = yaml.safe_load((CONF_DIR / "hydra" / "sweeper" / "capibara_optuna.yaml").read_text())
+    keys = [k for k in data if not k.startswith("_")]
+    return textwrap.fill(", ".join(keys), 84, subsequent_indent="  ")
+
+
 RESOLVERS = {
+    "capibara_sweeps": shipped_sweeps,
+    "capibara_sweeper_keys": sweeper_keys,
     "capibara_merge_methods": merge_methods,
     "abspath": lambda p: os.path.abspath(os.path.expanduser(p)),
     "capibara_sweeps_root": lambda: str(SWEEPS_ROOT),
@@ -71,6 +91,12 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
         comp, overrides = checks.compose_checked(line, config_name, extra)
     environment.prepare(bool(comp.cfg.get("verbose")))
     return line, comp, [*line.flags, *overrides]
+
+
+def run_failed(prog: str, err: BaseException) -> None:
+    """A run that could not go on (RunError): its one line (what was kept), exit 1."""
+    print(f"{prog}: {err}", file=sys.stderr)
+    sys.exit(RUN_FAILED)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,14 @@ import hydra
 from omegaconf import DictConfig
 
 from capibara_exp.cli import checks
-from capibara_exp.cli.common import checked_argv, fail, register_sweeper, user_errors
-from capibara_exp.errors import ConfigError
+from capibara_exp.cli.common import (
+    checked_argv,
+    fail,
+    register_sweeper,
+    run_failed,
+    user_errors,
+)
+from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp"
@@ -33,9 +39,11 @@ def _app(cfg: DictConfig) -> dict | None:
     try:
         return experiment.run(cfg, Path(hc.runtime.output_dir), dict(hc.runtime.choices),
                               multirun)
-    except ConfigError as err:
+    except (ConfigError, RunError) as err:
         if multirun:
             raise  # the sweeper records the job as failed and goes on
+        if isinstance(err, RunError):
+            run_failed(PROG, err)
         fail(PROG, f"configuration error: {err}")
 
 

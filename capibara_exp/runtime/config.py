@@ -81,7 +81,10 @@ class SaveCheckpointConfig:
     keep_dataset_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
-        reject_unsupported("utils.SaveCheckpointConfig", save_dataset=self.save_dataset,
+        # save_dataset: T5X saves the train iterator so a resumed run continues the data
+        # stream; the local engine's input is deterministic and resumes at the checkpoint's
+        # step, so it continues the stream either way and has nothing more to save.
+        reject_unsupported("utils.SaveCheckpointConfig",
                            keep_dataset_checkpoints=self.keep_dataset_checkpoints,
                            checkpointer_cls=self.checkpointer_cls,
                            state_transformation_fns=tuple(self.state_transformation_fns),
