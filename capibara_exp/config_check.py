@@ -35,9 +35,14 @@ class Composition:
     setters: dict[str, str]  # dotted key -> the file (or the command line) that set it last
     defaults: dict[str, Any]  # dotted key -> its value in the file that defines it
     search_dirs: list[Path]
+    # Computes `setters` when a message first needs them (they cost another walk of the
+    # defaults list, which a config without mistakes never pays).
+    trace: Callable[[], dict[str, str]] | None = None
 
     def setter(self, key: str) -> str:
         """Who set `key` (or its nearest parent)."""
+        if self.trace is not None:
+            self.setters, self.trace = {**self.trace(), **self.setters}, None
         parts = key.split(".")
         for end in range(len(parts), 0, -1):
             found = self.setters.get(".".join(parts[:end]))

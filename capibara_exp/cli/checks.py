@@ -46,7 +46,7 @@ def _absolute_gin_file(key: str, value: str) -> str:
 
 def check_run(comp: Composition, line: CommandLine) -> None:
     """capibara-exp's checks beyond the values: sweeps, engines, the rendered gin."""
-    cfg = _without_hydra(comp.cfg)
+    cfg = without_hydra(comp.cfg)
     if line.multirun:
         check_sweep(comp)
         if cfg.get("model_dir") is not None:
@@ -73,7 +73,7 @@ def check_run(comp: Composition, line: CommandLine) -> None:
     environment.import_tensorflow(bool(cfg.get("verbose")))
     from capibara_exp.runtime import gin_utils
 
-    gin_utils.parse(Path(cfg.model_dir) / experiment.CONFIG_GIN, text)
+    gin_utils.parse(experiment.CONFIG_GIN, text)  # the file the run will write
 
 
 def sources(comp: Composition) -> dict[str, str]:
@@ -85,7 +85,7 @@ def sources(comp: Composition) -> dict[str, str]:
     return out
 
 
-def _without_hydra(cfg: DictConfig) -> DictConfig:
+def without_hydra(cfg: DictConfig) -> DictConfig:
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.pop("hydra", None)

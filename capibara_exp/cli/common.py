@@ -72,7 +72,8 @@ def register_resolvers() -> None:
 
 def fail(prog: str, message: str) -> None:
     """A user error: one line on stderr, exit status 2."""
-    print(f"{prog}: {message}", file=sys.stderr)
+    one_line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"{prog}: {one_line}", file=sys.stderr)
     sys.exit(USER_ERROR)
 
 

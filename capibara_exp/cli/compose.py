@@ -9,6 +9,7 @@ keys and options the config has.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,19 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
         loader = GlobalHydra.instance().config_loader()
         try:
             cfg = loader.load_configuration(config_name, given, mode, from_shell=True)
-            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
         except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
                 yaml.YAMLError) as err:
             raise ConfigError(_composition_error(err, config_name, dirs)) from None
-    comp = Composition(config_name, cfg, dict(cfg.hydra.runtime.choices), {}, {}, dirs)
-    _trace(comp, defaults, overrides)
-    return comp
+    choices = dict(cfg.hydra.runtime.choices)
+
+    def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
+        return _setters(config_name, choices, defaults, overrides, dirs)
+
+    return Composition(config_name, cfg, choices, {}, definitions(config_name, choices, dirs),
+                       dirs, trace)
 
 
 def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:
@@ -63,33 +70,76 @@ def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:
     return [f"hydra.searchpath=[{paths}]", *overrides]
 
 
-def _trace(comp: Composition, defaults: list, overrides: list[str]) -> None:
-    """Fill setters and defaults from the defaults list (file by file, in order), then the
-    command line."""
-    groups = {g for g in comp.choices if not g.startswith("hydra")}
+def definitions(config_name: str, choices: dict[str, str | None],
+                dirs: list[Path]) -> dict[str, Any]:
+    """Dotted key -> its value in the file that defines it: the primary config's own keys,
+    and each chosen group option's (with the options it builds on: `defaults: [dense_tiny]`)."""
+    groups = {g for g in choices if not g.startswith("hydra")}
+    primary = _find(config_name, dirs)
+    data = {k: v for k, v in _yaml(primary).items() if k not in ("defaults", "hydra")} \
+        if primary else {}
+    out = {k: v for k, v in flatten(config_name, data).items() if k.split(".")[0] not in groups}
+    for group in sorted(groups):
+        if choices[group] is None or "/" in group:
+            continue
+        for file in _option_chain(group, choices[group], dirs):
+            data = {k: v for k, v in _yaml(file).items() if k not in ("defaults", "hydra")}
+            if "@package _global_" not in file.read_text():
+                data = {group: data}
+            out.update({k: v for k, v in flatten(config_name, data).items()
+                        if k.split(".")[0] == group})
+    return out
+
+
+def _option_chain(group: str, choice: str, dirs: list[Path],
+                  seen: tuple[str, ...] = ()) -> list[Path]:
+    """The files an option is made of, in merge order: the options of its own group that its
+    defaults list names, then itself (where `_self_` is, else last)."""
+    file = _find(f"{group}/{choice}", dirs)
+    if file is None or choice in seen:
+        return []
+    chain: list[Path] = []
+    for entry in _yaml(file).get("defaults") or []:
+        if entry == "_self_":
+            chain.append(file)
+        elif isinstance(entry, str) and "/" not in entry and ":" not in entry:
+            chain += _option_chain(group, entry, dirs, (*seen, choice))
+    return chain if file in chain else [*chain, file]
+
+
+def _yaml(path: Path) -> dict:
+    stat = path.stat()
+    return _load_yaml(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=512)
+def _load_yaml(path: str, mtime_ns: int, size: int) -> dict:
+    del mtime_ns, size  # the cache key: a changed file is read again
+    return yaml.safe_load(Path(path).read_text()) or {}
+
+
+def _setters(config_name: str, choices: dict[str, str | None], defaults: list,
+             overrides: list[str], dirs: list[Path]) -> dict[str, str]:
+    """Dotted key -> the file that set it last (the defaults list, file by file, in order),
+    or the command line."""
+    groups = {g for g in choices if not g.startswith("hydra")}
+    setters: dict[str, str] = {}
     for item in defaults:
         path = item.config_path
         if not path or path.startswith("hydra/") or (item.package or "").startswith("hydra"):
             continue
-        file = _find(path, comp.search_dirs)
+        file = _find(path, dirs)
         if file is None:
             continue
-        data = yaml.safe_load(file.read_text()) or {}
-        data.pop("defaults", None)
-        data.pop("hydra", None)
-        for part in reversed((item.package or "").split(".") if item.package else []):
+        data = {k: v for k, v in _yaml(file).items() if k not in ("defaults", "hydra")}
+        for part in reversed(item.package.split(".") if item.package else []):
             data = {part: data}
-        group = path.split("/")[0] if "/" in path else ""
-        for key, value in flatten(comp.config_name, data).items():
-            comp.setters[key] = str(file)
-            top = key.split(".")[0]
-            defines = top == group if group else top not in groups
-            if defines:
-                comp.defaults[key] = value
+        for key in flatten(config_name, data):
+            setters[key] = str(file)
     for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.key_or_group
-        if key not in groups:
-            comp.setters[key] = COMMAND_LINE
+        if override.key_or_group not in groups:
+            setters[override.key_or_group] = COMMAND_LINE
+    return setters
 
 
 def _find(config_path: str, dirs: list[Path]) -> Path | None:
@@ -105,14 +155,14 @@ def known_keys(config_name: str, dirs: list[Path]) -> set[str]:
     keys: set[str] = set()
     primary = _find(config_name, dirs)
     if primary:
-        data = yaml.safe_load(primary.read_text()) or {}
+        data = _yaml(primary)
         keys |= set(flatten(config_name, {k: v for k, v in data.items()
                                           if k not in ("defaults", "hydra")}))
     for root in dirs:
         for file in Path(root).glob("*/*.yaml"):
             group = file.parent.name
             try:
-                data = yaml.safe_load(file.read_text()) or {}
+                data = dict(_yaml(file))
             except yaml.YAMLError:
                 continue
             if "@package _global_" not in file.read_text():
@@ -155,7 +205,9 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
     if found:
         group, _, option = found.group(1).rpartition("/")
         return f"{group}={option}: no such config file {found.group(1)}.yaml"
-    return message.strip().splitlines()[0]
+    cause = err.__cause__ or err.__context__
+    text = message.strip() or (str(cause).strip() if cause else "") or type(err).__name__
+    return text.splitlines()[0]
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:

@@ -9,6 +9,7 @@ they append.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from capibara_exp.errors import ConfigError
@@ -23,6 +24,7 @@ _INFORMING = {"--help", "-h", "--hydra-help", "--version", "--shell-completion",
               "--info", "-i", "--experimental-rerun"}
 _INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 T5X_FLAGS = ("--gin_file", "--gin_bindings", "--gin_search_paths", "--gin.")
+_OVERRIDE = re.compile(r"^[+~]{0,2}[\w.@/-]+=\S*$")  # key=value, as Hydra overrides are written
 
 
 @dataclasses.dataclass
@@ -116,8 +118,8 @@ def _t5x_flag(line: CommandLine, argv: list[str], i: int) -> int:
         return 1
     name, eq, value = arg.partition("=")
     used = 1
-    if not eq:
-        if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+    if not eq:  # `--gin_file F`: the next argument, unless it is a flag or a Hydra override
+        if i + 1 >= len(argv) or argv[i + 1].startswith("-") or _OVERRIDE.match(argv[i + 1]):
             raise ConfigError(f"{name} needs a value ({name}=...)")
         value, used = argv[i + 1], 2
     if name == "--gin_file":

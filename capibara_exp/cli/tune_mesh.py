@@ -9,7 +9,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp.cli.common import checked_argv, user_errors
+from capibara_exp.cli.common import checked_argv, fail, user_errors
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-tune-mesh"
@@ -27,7 +27,7 @@ def _app(cfg: DictConfig) -> dict:
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.model_dir = str(run_dir)
-    with user_errors(PROG, RuntimeError):
+    with user_errors(PROG):
         return plan.run(cfg, run_dir, list(hc.overrides.task))
 
 
@@ -39,7 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.
     if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in argv):
         argv.append(f"+{SETTINGS}=default")
-    _, _, hydra_argv = checked_argv(PROG, "config", argv)
+    _, comp, hydra_argv = checked_argv(PROG, "config", argv)
+    if comp is not None and comp.cfg.topology != "cpu":
+        from capibara_exp.tuning import topology
+
+        if not topology.libtpu_installed():  # before Hydra makes the study's dir
+            fail(PROG, f"configuration error: topology={comp.cfg.topology}: "
+                       f"{topology.INSTALL_HINT}")
     sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 

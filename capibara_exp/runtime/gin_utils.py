@@ -104,6 +104,8 @@ def parse(path: str | Path, gin_text: str | None = None) -> None:
     except Exception as err:  # gin raises ValueError, SyntaxError, ImportError, KeyError...
         message = str(err).strip()
         lineno = _error_line(err, message)
+        message = message.splitlines()[0] if message else type(err).__name__  # gin adds the
+        # binding's text and line below, which `where` names
         where = f"{path}"
         if lineno:
             where = f"{path}:{lineno} (from {origin(text, lineno)})"
