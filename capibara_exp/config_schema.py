@@ -131,8 +131,9 @@ SCHEDULE_FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalize
 # capibara-exp (conf/config.yaml and its groups). Keys are dotted paths; a map value's own
 # keys are free (task_feature_lengths: {targets: 128}).
 RULES: dict[str, Rule] = {
-    "name": Rule("str", choices=()),
+    "name": Rule("str"),
     "model_dir": Rule("str", null=True),
+    "data_dir": Rule("str"),
     "random_seed": Int(0, null=True),
     "topology": Choice("cpu", *TOPOLOGIES),
     "verbose": Rule("bool"),
@@ -236,6 +237,7 @@ MERGE_RULES: dict[str, Rule] = {
     "fedavg.target_delta": Float(gt=0.0, lt=1.0), "fedavg.seed": Int(0),
 }
 DATA_BUILD_RULES: dict[str, Rule] = {
+    "data_dir": Rule("str"),
     "collect.max_per_source": Int(1, null=True), "collect.cell_timeout_s": Float(gt=0.0),
     "collect.memory_mb": POSITIVE, "max_line_bytes": POSITIVE,
     "filters.min_quality": Float(0.0, le=1.0), "filters.min_code_chars": Int(0),

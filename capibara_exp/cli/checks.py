@@ -52,6 +52,9 @@ def check_run(comp: Composition, line: CommandLine) -> None:
         if cfg.get("model_dir") is not None:
             raise ConfigError(f"model_dir={cfg.model_dir} with -m: every job would write that "
                               "one dir; leave model_dir unset (each job gets its own)")
+    from capibara_exp.launch import distributed
+
+    distributed.check(cfg.distributed, cfg.get("model_dir") is None)
     if cfg.engine.name == "t5x":
         from capibara_exp.launch import t5x_engine
 
