@@ -262,12 +262,13 @@ def test_actions_of_several_templates_are_joined_not_overwritten(tmp_path: Path)
     cfg = compose_config(["early_stopping=default", "consensus=last_k"])
     text = gin_bridge.render(cfg, "local", GIN_DIR)
     assert text.count("train_script.train.actions =") == 1
-    assert ("train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_EARLY_STOPPING, "
-            "%TRAIN_EVAL_ACTION_CONSENSUS]}") in text
+    assert ("train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_CHECKSUMS, "
+            "%TRAIN_EVAL_ACTION_EARLY_STOPPING, %TRAIN_EVAL_ACTION_CONSENSUS]}") in text
     (tmp_path / "config.gin").write_text(text)
     gin_utils.parse(tmp_path / "config.gin", text)
     actions = gin.get_bindings("train_script.train")["actions"]["TRAIN_EVAL"]
-    assert [type(a).__name__ for a in actions] == ["EarlyStoppingAction", "ConsensusMerge"]
+    assert [type(a).__name__ for a in actions] == ["ChecksumCheckpoints", "EarlyStoppingAction",
+                                                   "ConsensusMerge"]
 
 
 def test_a_template_binding_actions_itself_is_an_error(tmp_path: Path) -> None:
