@@ -238,7 +238,7 @@ def test_a_run_is_one_quiet_dir_that_resumes_there(tmp_path: Path, data_dir: Pat
 SCRIPTS = {
     # script: (success, user error, the library function a failure is injected into)
     "main": (["--cfg", "job"], ["trainer.train_steps=0"], "capibara_exp.experiment:run"),
-    "data": (["--cfg", "job"], ["filters.min_quality=2"], "capibara_exp.data.build:ensure_built"),
+    "data": (["--cfg", "job"], ["splits.validation_percent=200"], "capibara_exp.data.build:ensure_built"),
     "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
     "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
     "plot": (["RUN"], ["EMPTY"], "capibara_exp.plots:render"),
