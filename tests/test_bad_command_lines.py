@@ -24,7 +24,8 @@ from tests.conftest import compose_config
 # The group options under which a key exists (its group is off or another option otherwise).
 CONTEXT = {"model.num_experts": ["model=moe_tiny"], "engine.python": ["engine=t5x"],
            "early_stopping.": ["early_stopping=default"], "ema.": ["ema=default"],
-           "nan_guard.": ["nan_guard=skip"], "lora.": ["lora=default", "lora.lora_base_checkpoint=x"],
+           "nan_guard.": ["nan_guard=skip"],
+           "lora.": ["lora=default", "lora.lora_base_checkpoint=x"],
            "router_supervision.": ["router_supervision=domain", "model=moe_tiny"],
            "consensus.": ["consensus=last_k"], "tune_mesh.": ["+tune_mesh=default"],
            "engine.": ["engine=tpu_vm", "engine.tpu_name=t", "engine.zone=z", "engine.workdir=/w"]}

@@ -34,9 +34,11 @@ def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["experiment=dense_small_rope", "--cfg", "job"]])
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"],
+                                  ["experiment=dense_small_rope", "--cfg", "job"]])
 def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_path: Path) -> None:
-    probe = ("import sys; from capibara_exp.cli import main as cli; sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
+    probe = ("import sys; from capibara_exp.cli import main as cli\n"
+             "sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
              "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
              f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True,
@@ -154,7 +156,8 @@ def test_t5x_flags_append_to_the_gin_keys_and_render_after_the_config(tmp_path: 
         "include 'more.gin'\nutils.SaveCheckpointConfig.keep = 2\n")
     register_resolvers()
     line = flags.parse(["--gin_file=extra.gin", "--gin_search_paths=inc", "--gin.TRAIN_STEPS=7",
-                        "--gin_bindings", "nets.DecoderConfig.logits_via_embedding = True", "debug=fast",
+                        "--gin_bindings", "nets.DecoderConfig.logits_via_embedding = True",
+                        "debug=fast",
                         "gin_bindings=['EVAL_STEPS = 1']", "model_dir=/tmp/x"])
     comp, overrides = checks.compose_checked(line, "config")
     cfg = checks.without_hydra(comp.cfg)
@@ -163,8 +166,8 @@ def test_t5x_flags_append_to_the_gin_keys_and_render_after_the_config(tmp_path: 
     assert list(cfg.gin_files) == [str(tmp_path / "extra.gin")]
     assert any(o.startswith("gin_bindings=") for o in overrides)  # what Hydra records
     text = gin_bridge.render(cfg, "local", GIN_DIR)
-    values, files, bindings = (text.index("# ===== values from conf/"),
-                               text.index("# ===== gin_files[0]"), text.index("# ===== gin_bindings"))
+    values, files, bindings = (text.index(mark) for mark in (
+        "# ===== values from conf/", "# ===== gin_files[0]", "# ===== gin_bindings"))
     assert values < files < bindings
     assert "# (the engine header provides: from t5x import utils)" in text
     assert "nets.DecoderConfig.dropout_rate = 0.25" in text  # the include, found on the path
@@ -179,9 +182,8 @@ def test_t5x_flags_append_to_the_gin_keys_and_render_after_the_config(tmp_path: 
 
 def test_model_dir_is_the_run_dir_and_the_default_is_time_stamped() -> None:
     cfg = compose_config(["model_dir=runs/a"])
-    from omegaconf import OmegaConf
-
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from capibara_exp.paths import CONF_DIR
 
@@ -238,7 +240,8 @@ def test_a_run_is_one_quiet_dir_that_resumes_there(tmp_path: Path, data_dir: Pat
 SCRIPTS = {
     # script: (success, user error, the library function a failure is injected into)
     "main": (["--cfg", "job"], ["trainer.train_steps=0"], "capibara_exp.experiment:run"),
-    "data": (["--cfg", "job"], ["splits.validation_percent=200"], "capibara_exp.data.build:ensure_built"),
+    "data": (["--cfg", "job"], ["splits.validation_percent=200"],
+             "capibara_exp.data.build:ensure_built"),
     "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
     "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
     "plot": (["RUN"], ["EMPTY"], "capibara_exp.plots:render"),

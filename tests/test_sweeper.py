@@ -571,7 +571,8 @@ def test_a_failing_trial_does_not_end_a_real_sweep(tmp_path: Path, data_dir: Pat
     assert states[4].state == TrialState.COMPLETE
     assert states[3].state == TrialState.FAIL
     assert "num_microbatches=2" in states[3].user_attrs[study.ERROR]
-    assert re.search(r"trial \d failed: ", out.stderr) and "1 complete, 0 pruned, 1 failed" in out.stderr
+    assert re.search(r"trial \d failed: ", out.stderr)
+    assert "1 complete, 0 pruned, 1 failed" in out.stderr
 
 
 def test_a_changed_choice_is_a_clear_error_and_leaves_no_running_trial(tmp_path: Path) -> None:
