@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,10 +27,16 @@ GOAL_S = 10.0
 COMMAND = [sys.executable, "-m", "capibara_exp.cli", "debug=fast"]
 
 
+CPU_S: list[float] = []  # CPU seconds (user + system) of each run, beside its wall time
+
+
 def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if out.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return wall
@@ -64,11 +71,14 @@ def main() -> None:
         data = [f"data_dir={root / 'data'}"]
         first = timed([*COMMAND, *data], env, root)
         again = [timed([*COMMAND, *data], env, root) for _ in range(args.repeats)]
-        second = statistics.median(again)
+        second, cpu = statistics.median(again), statistics.median(CPU_S[1:])
         t5x = t5x_wall(root, env, args.repeats)
-    print(f"capibara-exp debug=fast, first run (empty caches): {first:6.1f} s")
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f} on {os.cpu_count()} cores (wall times grow with it)")
+    print(f"capibara-exp debug=fast, first run (empty caches): {first:6.1f} s "
+          f"({CPU_S[0]:.1f} s CPU)")
     print(f"capibara-exp debug=fast, run again (median of {args.repeats}): {second:6.1f} s "
-          f"({', '.join(f'{w:.1f}' for w in again)})")
+          f"({', '.join(f'{w:.1f}' for w in again)}; {cpu:.1f} s CPU)")
     print(f"  again / first: {second / first:.2f}x")
     if t5x is not None:
         print(f"real T5X on the same config.gin (median of {args.repeats}): {t5x:6.1f} s")

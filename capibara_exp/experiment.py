@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
@@ -107,7 +108,9 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
         compilation_cache(cfg.get("compilation_cache_dir"))
         phases.show_compiles()
         _share_inputs(multirun)
-        gin_utils.run_train(path, actions=_sweep_actions(cfg))
+        with machine_peak(run_dir, cfg.model.get("dtype", "float32"),
+                          cfg.get("compilation_cache_dir")):
+            gin_utils.run_train(path, actions=_sweep_actions(cfg))
         metrics = last_metrics(run_dir, "train_eval")
     elif cfg.engine.name == "t5x":
         metrics = run_t5x(cfg, path, run_dir)
@@ -126,6 +129,30 @@ def _t5x_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
         with open_dict(cfg):
             cfg.gin_bindings = [*cfg.get("gin_bindings", []), *extra]
     return cfg
+
+
+@contextlib.contextmanager
+def machine_peak(run_dir: Path, dtype: str, cache_dir: str | None) -> Iterator[None]:
+    """This machine's matmul peak (the MFU baseline, runtime/metrics.py), measured once per
+    machine, devices and dtype: kept beside the compile cache and handed to each new run dir,
+    so a run does not measure again what an earlier one did. Off with the compile cache."""
+    import socket
+
+    import jax
+
+    from capibara_exp.runtime.metrics import PEAK_FILE
+
+    devices = jax.devices()
+    name = (f"{socket.gethostname()}-{devices[0].platform}-{devices[0].device_kind}-"
+            f"{len(devices)}-{dtype}.json").replace(" ", "_").replace("/", "_")
+    kept = Path(cache_dir).parent / "peak_flops" / name if cache_dir else None
+    run_file = run_dir / PEAK_FILE
+    if kept and kept.is_file() and not run_file.exists():
+        shutil.copy(kept, run_file)
+    yield
+    if kept and run_file.is_file() and not kept.is_file():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(run_file, kept)
 
 
 def say(message: str) -> None:
