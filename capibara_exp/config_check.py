@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from capibara_exp import config_schema
 from capibara_exp.errors import ConfigError
-from capibara_exp.paths import GIN_DIR
+from capibara_exp.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
 
 COMMAND_LINE = "the command line"
 
@@ -140,8 +140,16 @@ def _check_unknown(comp: Composition, keys: dict[str, Any]) -> None:
 
 def _group_names(comp: Composition) -> list[str]:
     """Every config group on the search path (a root key may be a misspelt one)."""
-    return sorted({d.name for root in comp.search_dirs if root.is_dir()
-                   for d in root.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))})
+    return sorted({d.name for root in comp.search_dirs for d in group_dirs(root)})
+
+
+def group_dirs(root: Path) -> list[Path]:
+    """The config groups' directories under a search-path entry (the sweeps' root holds the
+    group `sweeps` beside the rest of a checkout)."""
+    if root == SWEEPS_ROOT and root != CONF_DIR:
+        return [root / "sweeps"] if (root / "sweeps").is_dir() else []
+    return [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))] \
+        if root.is_dir() else []
 
 
 def _check_missing(comp: Composition, keys: dict[str, Any]) -> None:

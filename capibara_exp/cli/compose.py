@@ -23,7 +23,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp.config_check import COMMAND_LINE, Composition, did_you_mean, flatten
+from capibara_exp.config_check import (
+    COMMAND_LINE,
+    Composition,
+    did_you_mean,
+    flatten,
+    group_dirs,
+)
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
 
@@ -158,8 +164,10 @@ def known_keys(config_name: str, dirs: list[Path]) -> set[str]:
         data = _yaml(primary)
         keys |= set(flatten(config_name, {k: v for k, v in data.items()
                                           if k not in ("defaults", "hydra")}))
+    if config_name != "config":  # merge.yaml and data_build.yaml choose no groups
+        return keys
     for root in dirs:
-        for file in Path(root).glob("*/*.yaml"):
+        for file in (f for d in group_dirs(root) for f in d.glob("*.yaml")):
             group = file.parent.name
             try:
                 data = dict(_yaml(file))
@@ -185,7 +193,7 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
         if options:
             return (f"{group}={option}: no such option in {group}/ (choose from "
                     f"{', '.join(options)}){did_you_mean(option, options)}")
-        groups = {d.name for root in dirs for d in Path(root).iterdir() if d.is_dir()}
+        groups = {d.name for root in dirs for d in group_dirs(root)}
         hint = did_you_mean(group, groups) or " (groups: " + ", ".join(sorted(groups)) + ")"
         return f"{group}={option}: no config group '{group}'{hint}"
     if isinstance(err, OverrideParseException):
@@ -195,8 +203,11 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
     found = re.match(r"Could not override '([^']+)'", message)
     if found:
         key = found.group(1)
+        known = known_keys(config_name, dirs)
+        if "." not in key and config_name == "config":  # perhaps a group: sweeps=lr_wd
+            known |= {d.name for root in dirs for d in group_dirs(root)}
         return (f"unknown key '{key}' (set by {COMMAND_LINE}): the config has no such key"
-                f"{did_you_mean(key, known_keys(config_name, dirs))}")
+                f"{did_you_mean(key, known)}")
     found = re.match(r"Could not append to config\. An item is already at '([^']+)'", message)
     if found:
         return (f"'+{found.group(1)}=...' adds a key that exists: set it without the + "

@@ -37,15 +37,6 @@ class CommandLine:
     gin_bindings: list[str] = dataclasses.field(default_factory=list)
     gin_search_paths: list[str] = dataclasses.field(default_factory=list)
 
-    def value(self, flag: str) -> str | None:
-        names = {flag, _VALUE_FLAGS.get(flag)}
-        for i, arg in enumerate(self.flags):
-            if arg in names and i + 1 < len(self.flags):
-                return self.flags[i + 1]
-            if arg.startswith(flag + "="):
-                return arg.split("=", 1)[1]
-        return None
-
     @property
     def config_dirs(self) -> list[Path]:
         return [Path(v) for i, a in enumerate(self.flags)
