@@ -244,9 +244,7 @@ DATA_BUILD_RULES: dict[str, Rule] = {
     "filters.max_code_chars": POSITIVE,
     "playbooks.min_success_rate": Float(0.0, le=1.0), "playbooks.top_k_per_domain": POSITIVE,
     "splits.validation_percent": Int(0, le=100), "splits.test_percent": Int(0, le=100),
-    "secret_scrubbing.samples": POSITIVE,
     "secret_scrubbing.min_recall": Float(0.0, le=1.0),
-    "secret_scrubbing.min_precision": Float(0.0, le=1.0),
 }
 RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUILD_RULES}
 
