@@ -30,7 +30,8 @@ def config_sources(choices: dict[str, str | None]) -> dict[str, str]:
             sources[group] = str(CONF_DIR / group / f"{choice}.yaml")
     if choices.get("experiment"):
         for group in gin_bridge.GIN_GROUPS:
-            sources[group] += f" or {CONF_DIR / 'experiment' / choices['experiment']}.yaml"
+            sources[group] = (f"{sources.get(group, CONF_DIR / group)} or "
+                              f"{CONF_DIR / 'experiment' / choices['experiment']}.yaml")
     return sources
 
 

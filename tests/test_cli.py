@@ -277,3 +277,20 @@ def test_every_console_script_exits_0_2_or_1(script: str, tmp_path: Path) -> Non
                  "plot": ["RUN"]}[script]
     out = call("BOOM", *boom_args)
     assert out.returncode == 1 and "injected failure" in out.stderr, out.stderr[-2000:]
+
+
+def test_experiment_run_needs_no_hydra_state(tmp_path: Path, capsys) -> None:
+    """experiment.run takes the run dir and the group choices as arguments (here a TPU VM
+    launch, written and printed as a dry run), with no Hydra job around it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from capibara_exp import experiment
+
+    assert not HydraConfig.initialized()
+    cfg = compose_config(["model_dir=null", "experiment=moe_e2b_base", "engine=tpu_vm",
+                          "engine.tpu_name=slice",
+                          "engine.zone=us-west4-a", "engine.workdir=/mnt/shared"])
+    experiment.run(cfg, tmp_path / "run", {"experiment": "moe_e2b_base", "engine": "tpu_vm"})
+    assert (tmp_path / "run" / "config.gin").is_file()
+    assert (tmp_path / "run" / "launch_tpu_vm.sh").is_file()
+    assert "dry run" in capsys.readouterr().err
