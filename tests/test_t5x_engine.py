@@ -56,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, 
     capibara(*t5x, "trainer.train_steps=6", f"model_dir={dirs['B']}", cwd=root)
     capibara(*t5x, "trainer.train_steps=6", f"model_dir={dirs['C']}",
              "--gin.utils.SaveCheckpointConfig.save_dataset=False", cwd=root)
-    capibara(f"data_dir={data_dir}", f"model_dir={dirs['L']}", cwd=root)
+    capibara(f"data_dir={data_dir}", "trainer.train_steps=6", f"model_dir={dirs['L']}", cwd=root)
     return dirs
 
 
