@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, open_dict
 
-from capibara_exp import gin_bridge
-from capibara_exp.errors import ConfigError
+from capibara_exp import environment, gin_bridge, phases
+from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.launch import distributed, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
 ROUTING_TASKS = "capibara_exp.data.routing_tasks"
-T5X_INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI: on a TPU VM run "
-                    "`pip install 'git+https://github.com/google-research/t5x'` (and libtpu for "
-                    "TPUs), then re-run; engine=local trains the same config.gin without it.")
 
 
 def config_sources(choices: dict[str, str | None]) -> dict[str, str]:
@@ -33,7 +30,8 @@ def config_sources(choices: dict[str, str | None]) -> dict[str, str]:
             sources[group] = str(CONF_DIR / group / f"{choice}.yaml")
     if choices.get("experiment"):
         for group in gin_bridge.GIN_GROUPS:
-            sources[group] += f" or {CONF_DIR / 'experiment' / choices['experiment']}.yaml"
+            sources[group] = (f"{sources.get(group, CONF_DIR / group)} or "
+                              f"{CONF_DIR / 'experiment' / choices['experiment']}.yaml")
     return sources
 
 
@@ -41,54 +39,6 @@ def title(choices: dict[str, str | None]) -> str:
     picked = " ".join(f"{g}={c}" for g, c in sorted(choices.items())
                       if c and not g.startswith("hydra"))
     return f"From: capibara-exp {picked}"
-
-
-def option_file(group: str, choice: str, search_dirs: list[Path]) -> Path | None:
-    """The YAML file a config group's choice comes from (first in Hydra's search path)."""
-    for root in search_dirs:
-        path = Path(root) / group / f"{choice}.yaml"
-        if path.is_file():
-            return path
-    return None
-
-
-def check_keys(cfg: DictConfig, choices: dict[str, str | None], search_dirs: list[Path]) -> None:
-    """Keys that YAML files or `+key=` add where no schema has them are errors, as unknown
-    keys in the gin-facing groups are (the bridge checks those against the templates).
-
-    The schema is what composes by default: the root keys of conf/config.yaml and one per
-    config group chosen (the sweeper's, consensus and others add their own), and for the
-    engine the keys of its conf/engine/ file. A key whose file value is a list or mapping
-    must not arrive as a plain string (`model.mlp_activations='[gelu'`)."""
-    primary = option_file(".", "config", search_dirs) or CONF_DIR / "config.yaml"
-    schemas = {"": (OmegaConf.load(primary), primary)}
-    for group in ("engine", *gin_bridge.GIN_GROUPS, *gin_bridge.OPTIONAL_GROUPS):
-        path = choices.get(group) and option_file(group, choices[group], search_dirs)
-        if path and OmegaConf.is_dict(cfg.get(group)):
-            schemas[group] = (OmegaConf.load(path), path)
-    setters = [str(f) for g in ("experiment", "debug")
-               if choices.get(g) and (f := option_file(g, choices[g], search_dirs))]
-    setters = " or ".join([*setters, "the command line"])
-    allowed = {*schemas[""][0].keys(), *(g.split("/")[0] for g in choices), "hydra"} - {"defaults"}
-    unknown = [k for k in cfg if k not in allowed]
-    if unknown:
-        raise ConfigError(f"unknown key '{unknown[0]}' at the root: neither {primary} nor a "
-                          f"config group has it (set by {setters})")
-    if "engine" in schemas:
-        schema, path = schemas["engine"]
-        unknown = [k for k in cfg.engine if k not in schema.keys()]  # `in` skips ??? values
-        if unknown:
-            raise ConfigError(f"unknown key 'engine.{unknown[0]}': {path} has no such key "
-                              f"(set by {setters})")
-    for group, (schema, path) in schemas.items():
-        node = cfg[group] if group else cfg
-        raw = OmegaConf.to_container(schema, resolve=False)  # ??? and ${...} stay as text
-        for key, value in raw.items():
-            if isinstance(value, list | dict) and key in node and isinstance(node[key], str):
-                name = f"{group}.{key}" if group else key
-                kind = "a list, e.g. [a,b]" if isinstance(value, list) else "a mapping"
-                raise ConfigError(f"{name}: expected {kind} (as in {path}), got the string "
-                                  f"{node[key]!r}")
 
 
 def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
@@ -127,63 +77,115 @@ def prepare_data(cfg: DictConfig) -> None:
     if cfg.data.get("mixture_or_task_module") == ROUTING_TASKS:
         from capibara_exp.data.e2b import build
 
-        build.ensure_built(os.environ.get(DATA_DIR_ENV) or cfg.data_dir)
+        data_dir = os.environ.get(DATA_DIR_ENV) or cfg.data_dir
+        with phases.phase(f"building the routing data under {data_dir} (first use only)"):
+            build.ensure_built(data_dir)
 
 
-def run(cfg: DictConfig) -> dict | None:
-    """The task function behind `capibara-exp`: the final train_eval metrics (local engine)."""
-    from hydra.core.hydra_config import HydraConfig
+def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
+        multirun: bool = False) -> dict | None:
+    """The task function behind `capibara-exp`: the final train_eval metrics.
 
-    # TensorFlow (under seqio) reads this once, at import: its C++ info and warning lines
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    choices = dict(hc.runtime.choices)
-    check_keys(cfg, choices, [Path(s.path) for s in hc.runtime.config_sources
-                              if s.schema == "file"])
-    engine = cfg.engine.name
-    distributed.check(cfg.distributed, Path(cfg.model_dir).resolve() == run_dir.resolve())
-    if engine == "tpu_vm":
+    `run_dir` is the run's directory (model_dir when given), `choices` the chosen option of
+    each config group (for messages), `multirun` whether this is one job of several in
+    this process. Nothing is read from Hydra's global state."""
+    environment.set_log_levels(bool(cfg.get("verbose")))
+    run_dir = Path(run_dir).absolute()
+    distributed.check(cfg.distributed, cfg.get("model_dir") is None)
+    if cfg.engine.name == "tpu_vm":
         return launch_tpu_vm(cfg, run_dir, choices)
+    cfg = with_model_dir(cfg, run_dir)
+    if cfg.engine.name == "t5x":
+        cfg = _t5x_resume(cfg, run_dir)
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)
     path = write_gin(cfg, run_dir, choices, lambda: prepare_data(cfg))
-    print(f"capibara-exp: run dir {run_dir}", file=sys.stderr)
+    say(f"run dir {run_dir}")
     metrics = None
-    if engine == "local":
+    if cfg.engine.name == "local":
         from capibara_exp.runtime import gin_utils
         from capibara_exp.runtime.metrics import last_metrics
 
         distributed.initialize(cfg.distributed)
-        _compilation_cache(cfg.get("compilation_cache_dir"))
-        _share_inputs(hc.mode)
-        gin_utils.run_train(path, actions=_sweep_actions(cfg))
-        _copy_operative_config(Path(cfg.model_dir), run_dir)
-        metrics = last_metrics(Path(cfg.model_dir), "train_eval")
-    elif engine == "t5x":
-        run_t5x(cfg, path, Path(cfg.model_dir), run_dir)
+        compilation_cache(cfg.get("compilation_cache_dir"))
+        phases.show_compiles()
+        _share_inputs(multirun)
+        with machine_peak(run_dir, cfg.model.get("dtype", "float32"),
+                          cfg.get("compilation_cache_dir")):
+            gin_utils.run_train(path, actions=_sweep_actions(cfg))
+        metrics = last_metrics(run_dir, "train_eval")
+    elif cfg.engine.name == "t5x":
+        metrics = run_t5x(cfg, path, run_dir)
     else:
-        raise ConfigError(f"engine.name: unknown engine '{engine}'")
-    print(f"capibara-exp: done; run dir {run_dir}", file=sys.stderr)
+        raise ConfigError(f"engine.name: unknown engine '{cfg.engine.name}'")
+    say(f"done; run dir {run_dir}")
     return metrics
 
 
-def _compilation_cache(directory: str | None) -> None:
+def _t5x_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """What T5X needs to continue the run dir's checkpoints, as gin_bindings (in config.gin)."""
+    from capibara_exp.launch import t5x_engine
+
+    extra = t5x_engine.resume_bindings(run_dir)
+    if extra:
+        with open_dict(cfg):
+            cfg.gin_bindings = [*cfg.get("gin_bindings", []), *extra]
+    return cfg
+
+
+@contextlib.contextmanager
+def machine_peak(run_dir: Path, dtype: str, cache_dir: str | None) -> Iterator[None]:
+    """This machine's matmul peak (the MFU baseline, runtime/metrics.py), measured once per
+    machine, devices and dtype: kept beside the compile cache and handed to each new run dir,
+    so a run does not measure again what an earlier one did. Off with the compile cache."""
+    import socket
+
+    import jax
+
+    from capibara_exp.runtime.metrics import PEAK_FILE
+
+    devices = jax.devices()
+    name = (f"{socket.gethostname()}-{devices[0].platform}-{devices[0].device_kind}-"
+            f"{len(devices)}-{dtype}.json").replace(" ", "_").replace("/", "_")
+    kept = Path(cache_dir).parent / "peak_flops" / name if cache_dir else None
+    run_file = run_dir / PEAK_FILE
+    if kept and kept.is_file() and not run_file.exists():
+        shutil.copy(kept, run_file)
+    yield
+    if kept and run_file.is_file() and not kept.is_file():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(run_file, kept)
+
+
+def say(message: str) -> None:
+    print(f"capibara-exp: {message}", file=sys.stderr, flush=True)
+
+
+def with_model_dir(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """The config with model_dir = the run dir (where Hydra put the run: model_dir itself
+    when it was given), absolute, as config.gin's MODEL_DIR."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.model_dir = str(run_dir)
+    return cfg
+
+
+def compilation_cache(directory: str | None) -> None:
     """Point XLA's persistent cache at `directory`; every program goes in, however quick."""
     if not directory:
         return
     import jax
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
 
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _share_inputs(mode: object) -> None:
+def _share_inputs(multirun: bool) -> None:
     """The jobs of a multirun that run in this process (the sweeper's trials, Hydra's basic
     launcher) read the same data: later ones replay the batches earlier ones made."""
-    from hydra.types import RunMode
-
-    if mode == RunMode.MULTIRUN:
+    if multirun:
         from capibara_exp.runtime import inputs
 
         inputs.share_across_runs()
@@ -200,24 +202,20 @@ def _sweep_actions(cfg: DictConfig) -> dict | None:
                                          trial.metric, trial.pruner)]}
 
 
-def _copy_operative_config(model_dir: Path, run_dir: Path) -> None:
-    from capibara_exp.runtime.gin_utils import OPERATIVE_CONFIG
-
-    if model_dir.resolve() != run_dir.resolve() and (model_dir / OPERATIVE_CONFIG).exists():
-        shutil.copy(model_dir / OPERATIVE_CONFIG, run_dir / OPERATIVE_CONFIG)
-
-
 def t5x_command(cfg: DictConfig, gin_path: Path) -> list[str]:
-    return [cfg.engine.python, "-m", "t5x.train", f"--gin_file={gin_path}",
-            *distributed.t5x_flags(cfg.distributed), *list(cfg.engine.extra_flags)]
+    """What engine=t5x runs: T5X's train script with the run's gin (engine.python, default
+    the interpreter running capibara-exp)."""
+    from capibara_exp.launch import t5x_engine
+
+    return t5x_engine.command(cfg.engine.python, gin_path,
+                              [*distributed.t5x_flags(cfg.distributed), *cfg.engine.extra_flags])
 
 
 def launch_tpu_vm(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]) -> None:
     """engine=tpu_vm: config.gin for the workers' runtime and the launch script in the run
     dir; print the script (dry run) or run it."""
-    from omegaconf import open_dict
-
-    if Path(cfg.model_dir).resolve() == run_dir.resolve():  # the default: shared storage instead
+    if cfg.get("model_dir") is None:  # the default: on the slice's shared storage
+        cfg = cfg.copy()
         with open_dict(cfg):
             cfg.model_dir = cfg.engine.model_dir
     topology = tpu_vm.check(cfg)
@@ -235,29 +233,14 @@ def launch_tpu_vm(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]
                           f"Cloud CLI, or run {launch} where it is")
     result = subprocess.run(["bash", str(launch)], check=False)
     if result.returncode:
-        raise ConfigError(f"{launch} exited with status {result.returncode}; see its output above")
+        raise RunError(f"{launch} exited with status {result.returncode}; see its output above")
 
 
-def run_t5x(cfg: DictConfig, gin_path: Path, model_dir: Path, run_dir: Path) -> None:
-    """Launch real T5X on the rendered gin, or explain how to install it."""
-    if importlib.util.find_spec("t5x") is None:
-        raise ConfigError(T5X_INSTALL_HINT)
-    rendered = gin_path.read_text()
-    try:
-        result = subprocess.run(t5x_command(cfg, gin_path), check=False)
-    finally:
-        keep_rendered_config(gin_path, rendered, model_dir, run_dir)
-    if result.returncode:
-        raise ConfigError(f"t5x.train exited with status {result.returncode}; see its log above")
+def run_t5x(cfg: DictConfig, gin_path: Path, run_dir: Path) -> dict | None:
+    """Launch real T5X on the rendered gin; the run dir ends as the local engine's does."""
+    from capibara_exp.launch import t5x_engine
 
-
-def keep_rendered_config(gin_path: Path, rendered: str, model_dir: Path, run_dir: Path) -> None:
-    """T5X writes its operative config to MODEL_DIR/config.gin: keep it as the run dir's
-    operative_config.gin, and config.gin the rendered file that ran."""
-    from capibara_exp.runtime.gin_utils import OPERATIVE_CONFIG
-
-    written = model_dir / CONFIG_GIN
-    if written.is_file() and written.read_text() != rendered:
-        (run_dir / OPERATIVE_CONFIG).write_text(written.read_text())
-    if not gin_path.is_file() or gin_path.read_text() != rendered:
-        gin_path.write_text(rendered)
+    t5x_engine.check_installed()
+    return t5x_engine.run(t5x_command(cfg, gin_path), gin_path, run_dir,
+                          int(cfg.trainer.train_steps), bool(cfg.get("verbose")),
+                          cfg.get("compilation_cache_dir"))

@@ -38,7 +38,7 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from t5x import partitioning",
         "from t5x import trainer",
         "from t5x import utils",
-        "import optax",
+        "import optax as hyperparams",
         "from t5x.contrib.moe import models as moe_models",
         "from t5x.contrib.moe import partitioning as moe_partitioning",
         "from t5x.contrib.moe import trainer as moe_trainer",
@@ -52,7 +52,7 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from capibara_exp.runtime import trainer",
         "from capibara_exp.runtime import config as utils",
         # optax whose numbers are optimizer state: a sweep's trials share one compiled step
-        "from capibara_exp.runtime import hyperparams as optax",
+        "from capibara_exp.runtime import hyperparams",
         # one module holds t5x.contrib.moe's model, partitioner and trainer
         "from capibara_exp.runtime import moe as moe_models",
         "from capibara_exp.runtime import moe as moe_partitioning",
@@ -68,6 +68,7 @@ BINDING_MARK = "# gin_bindings["  # + "<i>]: <key>" before each of gin_bindings'
 
 _REQUIRED_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*%gin\.REQUIRED\s*(#.*)?$")
 _INCLUDE_RE = re.compile(r"""^include\s+(['"])(.+)\1\s*$""")
+_IMPORT_RE = re.compile(r"^(?:from\s+\S+\s+)?import\s+(\S+)(?:\s+as\s+(\w+))?\s*(?:#.*)?$")
 _REFERENCE_RE = re.compile(r"^(@[A-Za-z_][\w./]*(\(\))?|%[A-Za-z_][\w.]*)$")
 _ACTION_RE = re.compile(r"^((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)
 _ACTIONS_BINDING_RE = re.compile(r"^train_script\.train\.actions\s*=", re.M)
@@ -196,6 +197,7 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
     for macro, (key, value) in values.items():
         out.append(f"{macro} = {to_gin_literal(value, key)}  # {key}")
     out += _actions_binding(templates)
+    out += _gin_files(cfg)
     extra = OmegaConf.to_container(cfg.gin_bindings) if cfg.get("gin_bindings") else []
     if extra:
         out.append("\n# ===== gin_bindings (applied last)")
@@ -207,6 +209,53 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
             # The marker names the entry, for errors about this line (runtime/gin_utils.py).
             out += [f"{BINDING_MARK}{i}]: {key.strip()}", f"{key.strip()} = {value.strip()}"]
     return "\n".join(out) + "\n"
+
+
+def find_gin_file(name: str, search_paths: list[str], where: str) -> Path:
+    """A gin file as gin finds one: the path itself (relative to the current directory),
+    then under each search path (T5X's --gin_search_paths)."""
+    for base in ("", *search_paths):
+        path = Path(base, name) if base else Path(name)
+        if path.is_file():
+            return path.absolute()
+    looked = ", ".join(["the current directory", *search_paths])
+    raise ConfigError(f"{where}: gin file '{name}' not found (looked in {looked})")
+
+
+def _gin_files(cfg: DictConfig) -> list[str]:
+    """gin_files (T5X's --gin_file), inlined in order after the rendered config: their
+    includes inlined too, and their import lines for the header's names left to the
+    engine header (so a file written for T5X binds the local engine's modules too)."""
+    files = list(cfg.get("gin_files") or [])
+    search = [str(p) for p in (cfg.get("gin_search_paths") or [])]
+    out = []
+    for i, name in enumerate(files):
+        path = find_gin_file(str(name), search, f"gin_files[{i}]")
+        out.append(f"\n# ===== gin_files[{i}]: {path} (applied after the rendered config)")
+        out += _user_gin_lines(path, search, (str(path),))
+    return out
+
+
+def _user_gin_lines(path: Path, search: list[str], seen: tuple[str, ...]) -> list[str]:
+    aliases = {line.split()[-1] for line in ENGINE_HEADERS["local"] + COMMON_IMPORTS}
+    lines = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        stripped = line.strip()
+        inc = _INCLUDE_RE.match(stripped)
+        imported = _IMPORT_RE.match(stripped)
+        if inc:
+            sub = find_gin_file(inc.group(2), [*search, str(path.parent)], f"{path}:{lineno}")
+            if str(sub) in seen:
+                raise ConfigError(f"{path}:{lineno}: include cycle "
+                                  f"{' -> '.join((*seen, str(sub)))}")
+            lines += [f"# (included from {path}:{lineno}) {sub}",
+                      *_user_gin_lines(sub, search, (*seen, str(sub)))]
+        elif imported and (imported.group(2) or imported.group(1).split(".")[-1]) in (
+                *aliases, "dynamic_registration"):
+            lines.append(f"# (the engine header provides: {stripped})")
+        else:
+            lines.append(line)
+    return lines
 
 
 def _actions_binding(templates: list[Template]) -> list[str]:

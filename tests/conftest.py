@@ -9,8 +9,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from capibara_exp import environment
 from capibara_exp.cli.common import register_resolvers
 from capibara_exp.paths import CONF_DIR
+
+# What the console scripts set up in their main (JAX's platforms: no TPU probe on a machine
+# without one), for the runs tests make in this process.
+environment.select_platform()
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -44,8 +49,11 @@ def jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """JAX's persistent compilation cache for the session, shared by pytest-xdist's workers
     and inherited by every subprocess a test starts: the many small runs of the same tiny
     model compile their steps once. Only the XLA backend compile is cached (keyed by the
-    program, devices and flags), so what a test checks is unchanged."""
-    path = _session_dir(tmp_path_factory, "jax_cache")
+    program, devices and flags), so what a test checks is unchanged. It is the user cache
+    dir runs default to (compilation_cache_dir), moved under the session's temp dir."""
+    cache_home = _session_dir(tmp_path_factory, "cache")
+    os.environ["XDG_CACHE_HOME"] = str(cache_home)
+    path = cache_home / "capibara-exp" / "xla"
     path.mkdir(parents=True, exist_ok=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"

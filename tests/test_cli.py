@@ -1,16 +1,27 @@
-"""The console script as a user runs it: fast config paths, loud errors, one real run."""
+"""The console scripts as a user runs them: fast config paths, one-line errors before any run
+dir, T5X's flags, one dir per run that resumes, quiet output, exit codes 0/2/1 for all five."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from capibara_exp.cli import checks, flags
+from capibara_exp.cli.common import register_resolvers
+from tests.conftest import compose_config
+
 HEAVY = ("jax", "tensorflow", "seqio", "flax")
+# What a quiet run must not print (TensorFlow's and absl's start-up lines, CUDA lookups,
+# oneDNN's notice, seqio's advice on uncached tasks, libtpu's probing).
+NOISE = re.compile(r"absl::InitializeLog|oneDNN|cuda|cuInit|FunctionDataset|^[IWE]\d{4} |"
+                   r"Unable to initialize backend|TPU", re.I | re.M)
 
 
 def capibara(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -19,9 +30,15 @@ def capibara(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
                           timeout=600)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["experiment=dense_small_rope", "--cfg", "job"]])
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"],
+                                  ["experiment=dense_small_rope", "--cfg", "job"]])
 def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_path: Path) -> None:
-    probe = ("import sys; from capibara_exp.cli import main as cli; sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
+    probe = ("import sys; from capibara_exp.cli import main as cli\n"
+             "sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
              "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
              f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True,
@@ -30,87 +47,250 @@ def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_pat
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
 
 
-def test_help_lists_the_config_groups(tmp_path: Path) -> None:
+def test_help_lists_groups_sweeps_the_sweeper_and_the_other_scripts(tmp_path: Path) -> None:
     out = capibara("--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
     for group in ("model", "data", "optimizer", "schedule", "trainer", "partitioning",
                   "checkpoint", "engine", "experiment", "debug"):
         assert f"{group}:" in out.stdout
+    assert "sweeps: lr_wd, moe_routing, schedule" in out.stdout
+    assert "hydra/sweeper=capibara_optuna" in out.stdout and "n_trials" in out.stdout
+    for script in ("capibara-exp-data", "capibara-exp-merge", "capibara-exp-tune-mesh",
+                   "capibara-exp-plot"):
+        assert script in out.stdout
+    assert "--gin_file" in out.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["model.foo=1"], "Key 'foo' is not in struct"),  # Hydra's own error (status 1)
+def test_merge_help_shows_its_keys_and_methods(tmp_path: Path) -> None:
+    from capibara_exp.consensus.merge import METHODS
+
+    out = subprocess.run([sys.executable, "-c", "from capibara_exp.cli.merge import main; main()",
+                          "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(m in out.stdout for m in (*METHODS, "fedavg"))
+    for key in ("runs: ???", "out: ???", "num_byzantine: 0", "gate:", "fedavg:"):
+        assert key in out.stdout
+
+
+BAD = [
+    # values: each one line naming the key, who set it, the value and what is allowed
+    (["trainer.train_steps=-5"], "trainer.train_steps=-5 (set by the command line): expected "
+                                 "an integer >= 1"),
+    (["model.emb_dim=abc"], "model.emb_dim=abc (set by the command line): expected an integer"),
+    (["schedule.base_learning_rate=fast"], "schedule.base_learning_rate=fast (set by the command "
+                                           "line): expected a number > 0 and <= 1"),
+    # key typos and options: a did-you-mean
+    (["model.emb_dm=64"], "unknown key 'model.emb_dm' (set by the command line): the config has "
+                          "no such key; did you mean 'model.emb_dim'?"),
     (["+model.emb_dimension=64"], "unknown key 'model.emb_dimension'"),
-    (["model.emb_dim=???"], "missing mandatory value (???) for: model.emb_dim"),
-    (["gin_bindings=['nets.DecoderConfg.emb_dim = 3']"],
-     "(from gin_bindings[0], nets.DecoderConfg.emb_dim)"),
-    (["engine=t5x"], "T5X is not installed"),
-    (['gin_bindings=["nets.DecoderConfig.dropout_rate = 0.0", "nets.DecoderConfig.emb_dim = [1,"]'],
-     "gin_bindings[1] (nets.DecoderConfig.emb_dim): EOF in multi-line statement"),
-    (["model.mlp_activations='[gelu'"], "model.mlp_activations: expected a list"),
     (["+random_sed=7"], "unknown key 'random_sed' at the root"),
     (["+engine.nme=t5x"], "unknown key 'engine.nme'"),
-])
-def test_bad_configs_fail_with_a_message_and_status_2(args, message, tmp_path: Path) -> None:
+    (["model=dense_tny"], "model=dense_tny: no such option in model/ (choose from dense_small, "
+                          "dense_tiny, moe_base, moe_tiny); did you mean 'dense_tiny'?"),
+    (["model.emb_dim=???"], "missing mandatory value (???) for: model.emb_dim"),
+    (["model.mlp_activations='[gelu'"], "model.mlp_activations=[gelu (set by the command "
+                                        "line): expected a list"),
+    (["trainer.eval_period=30"], "trainer.eval_period=30 and checkpoint.checkpoint_period=100"),
+    # gin: T5X's flags and gin_bindings, checked against the engine's configurables
+    (["--gin.MODEL_DIR"], "--gin.MODEL_DIR: T5X's --gin.NAME=VALUE binds NAME = VALUE"),
+    (["--gin_file=missing.gin"], "gin_files[0]: gin file 'missing.gin' not found"),
+    (["gin_bindings=['nets.DecoderConfg.emb_dim = 3']"],
+     "(from gin_bindings[0], nets.DecoderConfg.emb_dim)"),
+    (['gin_bindings=["nets.DecoderConfig.dropout_rate = 0.0", "nets.DecoderConfig.emb_dim = [1,"]'],
+     "gin_bindings[1] (nets.DecoderConfig.emb_dim): EOF in multi-line statement"),
+]
+if importlib.util.find_spec("t5x") is None:
+    BAD.append((["engine=t5x"], "T5X is not installed"))
+
+
+@pytest.mark.parametrize("args, message", BAD)
+def test_bad_command_lines_are_one_line_status_2_and_no_run_dir(args, message,
+                                                                tmp_path: Path) -> None:
     out = capibara(*args, f"model_dir={tmp_path / 'model'}", cwd=tmp_path)
-    assert out.returncode == (1 if "struct" in message else 2), out.stderr[-2000:]
-    assert message in out.stderr, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert not list((tmp_path / "model").glob("checkpoint_*"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert lines(out.stderr) == [lines(out.stderr)[0]] and message in out.stderr, out.stderr
+    assert not (tmp_path / "model").exists() and not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.parametrize("yaml_text, message", [
     ("random_sed: 7\n", "unknown key 'random_sed' at the root"),
     ("engine:\n  nme: t5x\n", "unknown key 'engine.nme'"),
+    ("trainer:\n  train_steps: 0\n", "trainer.train_steps=0 (set by {file}): expected an integer"),
 ])
-def test_unknown_keys_from_an_experiment_file_are_errors(yaml_text: str, message: str,
-                                                         tmp_path: Path) -> None:
+def test_keys_and_values_from_an_experiment_file_name_that_file(yaml_text: str, message: str,
+                                                                 tmp_path: Path) -> None:
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     bad = tmp_path / "conf" / "experiment" / "typo.yaml"
     bad.write_text("# @package _global_\n" + yaml_text)
     out = capibara("--config-dir", str(tmp_path / "conf"), "experiment=typo",
                    f"model_dir={tmp_path / 'model'}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert message in out.stderr and str(bad) in out.stderr, out.stderr[-2000:]
+    assert message.format(file=bad) in out.stderr and str(bad) in out.stderr, out.stderr[-2000:]
 
 
-def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
+def test_malformed_yaml_names_file_and_line_only_where_it_is_used(tmp_path: Path) -> None:
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "broken.yaml").write_text("emb_dim: [64\n")
-    out = capibara("--config-dir", str(tmp_path / "conf"), "model=broken", cwd=tmp_path)
+    conf = ["--config-dir", str(tmp_path / "conf")]
+    out = capibara(*conf, "model=broken", cwd=tmp_path)
     assert out.returncode == 2
-    assert "broken.yaml:2:1: malformed YAML" in out.stderr
+    assert "broken.yaml:2:1: malformed YAML" in out.stderr and len(lines(out.stderr)) == 1
+    for unaffected in (["--cfg", "job"], ["--help"]):  # commands that do not read the file
+        out = capibara(*conf, *unaffected, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_t5x_flags_append_to_the_gin_keys_and_render_after_the_config(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """T5X's --gin_file, --gin.X=V and --gin_bindings: the rendered gin, then the files, then
+    the bindings, as T5X applies them; a file's import lines for the engine's names are left
+    to the engine header, so a gin file written for T5X binds the local engine's too."""
+    from capibara_exp import gin_bridge
+    from capibara_exp.paths import GIN_DIR
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "more.gin").write_text("nets.DecoderConfig.dropout_rate = 0.25\n")
+    (tmp_path / "extra.gin").write_text(
+        "from __gin__ import dynamic_registration\nfrom t5x import utils\n"
+        "include 'more.gin'\nutils.SaveCheckpointConfig.keep = 2\n")
+    register_resolvers()
+    line = flags.parse(["--gin_file=extra.gin", "--gin_search_paths=inc", "--gin.TRAIN_STEPS=7",
+                        "--gin_bindings", "nets.DecoderConfig.logits_via_embedding = True",
+                        "debug=fast",
+                        "gin_bindings=['EVAL_STEPS = 1']", "model_dir=/tmp/x"])
+    comp, overrides = checks.compose_checked(line, "config")
+    cfg = checks.without_hydra(comp.cfg)
+    assert list(cfg.gin_bindings) == ["EVAL_STEPS = 1", "TRAIN_STEPS = 7",
+                                      "nets.DecoderConfig.logits_via_embedding = True"]
+    assert list(cfg.gin_files) == [str(tmp_path / "extra.gin")]
+    assert any(o.startswith("gin_bindings=") for o in overrides)  # what Hydra records
+    text = gin_bridge.render(cfg, "local", GIN_DIR)
+    values, files, bindings = (text.index(mark) for mark in (
+        "# ===== values from conf/", "# ===== gin_files[0]", "# ===== gin_bindings"))
+    assert values < files < bindings
+    assert "# (the engine header provides: from t5x import utils)" in text
+    assert "nets.DecoderConfig.dropout_rate = 0.25" in text  # the include, found on the path
+    from capibara_exp.runtime import gin_utils
+
+    gin_utils.parse(tmp_path / "config.gin", text)  # parses under the local header
+    import gin
+
+    assert gin.query_parameter("%TRAIN_STEPS") == 7  # the flag wins over conf's value
+    assert gin.query_parameter("utils.SaveCheckpointConfig.keep") == 2
+
+
+def test_model_dir_is_the_run_dir_and_the_default_is_time_stamped() -> None:
+    cfg = compose_config(["model_dir=runs/a"])
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from capibara_exp.paths import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        named = compose("config", overrides=["model_dir=runs/a"], return_hydra_config=True)
+        default = compose("config", overrides=[], return_hydra_config=True)
+    assert OmegaConf.select(named, "hydra.run.dir") == "runs/a" == cfg.model_dir
+    assert re.fullmatch(r"outputs/dense_tiny_lm/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d",
+                        OmegaConf.select(default, "hydra.run.dir"))
+    assert default.model_dir is None
+
+
+def test_t5x_runs_with_the_interpreter_running_capibara_exp(tmp_path: Path) -> None:
+    from capibara_exp import experiment
+
+    cfg = compose_config(["engine=t5x"])
+    assert cfg.engine.python is None
+    command = experiment.t5x_command(cfg, tmp_path / "config.gin")
+    assert command[0] == sys.executable and command[1:3] == ["-m", "capibara_exp.launch.t5x_main"]
+    assert command[3] == f"--gin_file={tmp_path / 'config.gin'}"
 
 
 @pytest.mark.entry
-def test_debug_run_from_the_command_line(tmp_path: Path, data_dir: Path) -> None:
-    out = capibara("debug=fast", "model.emb_dim=32", "model.mlp_dim=64", "data.batch_size=4",
-                   f"data_dir={data_dir}", cwd=tmp_path)
+@pytest.mark.slow
+def test_a_run_is_one_quiet_dir_that_resumes_there(tmp_path: Path, data_dir: Path) -> None:
+    """model_dir=X: X holds config.gin, the Hydra config and log, checkpoints, metrics and TB
+    events; the console shows no library noise; re-running resumes in X and prints X."""
+    run = tmp_path / "run"
+    (tmp_path / "extra.gin").write_text("train_script.train.stats_period = 1\n")
+    args = ["debug=fast", "model.emb_dim=32", "model.mlp_dim=64", "data.batch_size=4",
+            f"data_dir={data_dir}", f"model_dir={run}", "--gin_file=extra.gin",
+            "--gin.nets.DecoderConfig.dropout_rate=0.125"]
+    out = capibara(*args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dirs = list((tmp_path / "outputs" / "dense_tiny_lm").iterdir())
-    assert len(run_dirs) == 1 and f"run dir {run_dirs[0]}" in out.stderr
-    run = run_dirs[0]
-    for name in (".hydra/config.yaml", "config.gin", "operative_config.gin", "metrics.jsonl",
-                 "checkpoint_4/state"):
+    assert not NOISE.search(out.stderr), out.stderr
+    assert f"capibara-exp: run dir {run}" in out.stderr
+    assert lines(out.stderr)[-1] == f"capibara-exp: done; run dir {run}"
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "capibara-exp.log", "config.gin",
+                 "operative_config.gin", "metrics.jsonl", "checkpoint_4/state",
+                 "checkpoint_4/capibara_manifest.json"):
         assert (run / name).exists(), name
-    assert "step 4/4" in out.stderr and "ETA" in out.stderr
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 4
+    assert list((run / "train").glob("events.*")) and list((run / "train_eval").glob("events.*"))
+    assert not (tmp_path / "outputs").exists()
+    gin_text = (run / "config.gin").read_text()
+    assert "# ===== gin_files[0]" in gin_text and "dropout_rate = 0.125" in gin_text
+    assert "dropout_rate = 0.125" in (run / "operative_config.gin").read_text()
+    out = capibara(*args, "trainer.train_steps=6", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"restored {run}/checkpoint_4" in out.stderr and f"run dir {run}" in out.stderr
+    steps = [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 6 and not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.parametrize("same_dir", [True, False])
-def test_t5x_operative_config_is_kept_beside_the_rendered_one(same_dir: bool,
-                                                               tmp_path: Path) -> None:
-    """T5X's summarize_gin_config writes MODEL_DIR/config.gin; with model_dir = the run dir
-    that is the rendered file's name: config.gin stays what ran, T5X's goes to
-    operative_config.gin."""
+SCRIPTS = {
+    # script: (success, user error, the library function a failure is injected into)
+    "main": (["--cfg", "job"], ["trainer.train_steps=0"], "capibara_exp.experiment:run"),
+    "data": (["--cfg", "job"], ["splits.validation_percent=200"],
+             "capibara_exp.data.build:ensure_built"),
+    "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
+    "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
+    "plot": (["RUN"], ["EMPTY"], "capibara_exp.plots:render"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_console_script_exits_0_2_or_1(script: str, tmp_path: Path) -> None:
+    """0 on success, 2 for a user error (one line), 1 for an internal failure (a traceback)."""
+    ok, bad, target = SCRIPTS[script]
+    (tmp_path / "RUN").mkdir()
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "RUN" / "metrics.jsonl").write_text(
+        '{"step": 1, "split": "train", "loss": 2.0}\n{"step": 2, "split": "train", "loss": 1.5}\n')
+    module, name = target.split(":")
+    program = (f"import sys; from capibara_exp.cli.{script} import main\n"
+               "if sys.argv[1] == 'BOOM':\n"
+               f"    import {module} as m\n"
+               "    def boom(*a, **k): raise RuntimeError('injected failure')\n"
+               f"    m.{name} = boom\n"
+               "    sys.argv.pop(1)\n"
+               f"sys.argv[0] = 'capibara-exp-{script}'\nmain()\n")
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", program, *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    assert call(*ok).returncode == 0
+    out = call(*bad)
+    assert out.returncode == 2 and len(lines(out.stderr)) == 1, out.stderr[-2000:]
+    boom_args = {"main": ["debug=fast", f"model_dir={tmp_path / 'm'}"], "data": [],
+                 "merge": ["runs=[a]", f"out={tmp_path / 'merged'}"], "tune_mesh": [],
+                 "plot": ["RUN"]}[script]
+    out = call("BOOM", *boom_args)
+    assert out.returncode == 1 and "injected failure" in out.stderr, out.stderr[-2000:]
+
+
+def test_experiment_run_needs_no_hydra_state(tmp_path: Path, capsys) -> None:
+    """experiment.run takes the run dir and the group choices as arguments (here a TPU VM
+    launch, written and printed as a dry run), with no Hydra job around it."""
+    from hydra.core.hydra_config import HydraConfig
+
     from capibara_exp import experiment
 
-    run_dir, model_dir = tmp_path / "run", tmp_path / ("run" if same_dir else "model")
-    run_dir.mkdir()
-    model_dir.mkdir(exist_ok=True)
-    rendered = "# config.gin rendered by capibara-exp for engine=t5x.\nA = 1\n"
-    (run_dir / "config.gin").write_text(rendered)
-    (model_dir / "config.gin").write_text("A = 1  # T5X's operative config\n")
-    experiment.keep_rendered_config(run_dir / "config.gin", rendered, model_dir, run_dir)
-    assert (run_dir / "config.gin").read_text() == rendered
-    assert (run_dir / "operative_config.gin").read_text() == "A = 1  # T5X's operative config\n"
+    assert not HydraConfig.initialized()
+    cfg = compose_config(["model_dir=null", "experiment=moe_e2b_base", "engine=tpu_vm",
+                          "engine.tpu_name=slice",
+                          "engine.zone=us-west4-a", "engine.workdir=/mnt/shared"])
+    experiment.run(cfg, tmp_path / "run", {"experiment": "moe_e2b_base", "engine": "tpu_vm"})
+    assert (tmp_path / "run" / "config.gin").is_file()
+    assert (tmp_path / "run" / "launch_tpu_vm.sh").is_file()
+    assert "dry run" in capsys.readouterr().err

@@ -353,7 +353,7 @@ def test_capibara_exp_merge_console_script(setup, tmp_path) -> None:
     assert (tmp_path / "m" / REPORT).is_file() and (tmp_path / "m" / "merge_metrics.png").is_file()
     missing = subprocess.run([str(script), f"runs=[{runs}]"], capture_output=True, text=True,
                              timeout=300)
-    assert missing.returncode == 2 and "missing mandatory value(s) out" in missing.stderr
+    assert missing.returncode == 2 and "missing mandatory value (???) for: out" in missing.stderr
 
 
 def test_weighted_merge_follows_the_given_weights(setup, tmp_path) -> None:

@@ -35,17 +35,19 @@ def test_last_k_action_is_bound_in_config_gin_for_both_engines() -> None:
     assert gin_bridge.body_of(local) == gin_bridge.body_of(t5x)
     body = gin_bridge.body_of(local)
     assert "TRAIN_EVAL_ACTION_CONSENSUS = @consensus.ConsensusMerge()" in body
-    assert "train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_CONSENSUS]}" in body
+    assert ("train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_CHECKSUMS, "
+            "%TRAIN_EVAL_ACTION_CONSENSUS]}") in body  # every run checksums its checkpoints
     assert "MERGE_LAST_K = 2" in body
     assert "ConsensusMerge" not in gin_bridge.body_of(gin_bridge.render(
         compose_config(TINY), "local", GIN_DIR))  # consensus=none adds nothing
 
 
-@pytest.mark.parametrize("choice, action", [("last_k", "ConsensusMerge"),
-                                            ("sweep_soup", "ChecksumCheckpoints")])
-def test_checksum_action_is_bound_identically_for_both_engines(tmp_path, choice, action) -> None:
-    """T5X writes no checksum manifests: each consensus choice binds an action that does,
-    with the same gin under both engines."""
+@pytest.mark.parametrize("choice, actions", [
+    ("last_k", ["ChecksumCheckpoints", "ConsensusMerge"]), ("sweep_soup", ["ChecksumCheckpoints"]),
+    ("none", ["ChecksumCheckpoints"])])
+def test_checksum_action_is_bound_identically_for_both_engines(tmp_path, choice, actions) -> None:
+    """T5X writes no checksum manifests: every run binds an action that does (consensus
+    choices add theirs), with the same gin under both engines."""
     import gin
 
     from capibara_exp import gin_bridge
@@ -54,13 +56,13 @@ def test_checksum_action_is_bound_identically_for_both_engines(tmp_path, choice,
     cfg = compose_config([*TINY, *COMMON[:3], f"consensus={choice}"])
     local, t5x = (gin_bridge.render(cfg, e, GIN_DIR) for e in ("local", "t5x"))
     assert gin_bridge.body_of(local) == gin_bridge.body_of(t5x)
-    assert f"@consensus.{action}()" in gin_bridge.body_of(t5x)
+    assert all(f"@consensus.{action}()" in gin_bridge.body_of(t5x) for action in actions)
     (tmp_path / "config.gin").write_text(local)
     gin_utils.parse(tmp_path / "config.gin", local)
     bound = gin.get_bindings("train_script.train")["actions"]["TRAIN_EVAL"]
-    assert [type(a).__name__ for a in bound] == [action]
-    assert isinstance(bound[0], consensus_action.ChecksumCheckpoints)
-    assert bound[0].model_dir == Path(cfg.model_dir)
+    assert [type(a).__name__ for a in bound] == actions
+    assert all(isinstance(a, consensus_action.ChecksumCheckpoints) for a in bound)
+    assert all(a.model_dir == Path(cfg.model_dir) for a in bound)
 
 
 @pytest.mark.slow

@@ -344,7 +344,10 @@ def test_routing_gin_binds_the_mixture_and_packer(tasks, tmp_path: Path) -> None
     gin_utils.parse(tmp_path / "config.gin", gin_bridge.render(cfg, "local", GIN_DIR))
     name = gin.get_configurable(tasks.mixture_with_rates)()
     assert name.startswith("capibara_e2b_routing_")  # the overridden rate made a variant
-    assert packing.configured_packer() == packing.Packer("next_fit")
+    from capibara_exp.runtime import config as utils
+
+    with gin.config_scope("train"):
+        assert gin.get_configurable(utils.DatasetConfig)().packer == packing.Packer("next_fit")
     t5x = gin_bridge.render(cfg, "t5x", GIN_DIR)
     assert (
         gin_bridge.render(cfg, "local", GIN_DIR).split(gin_bridge.BODY_MARKER)[1]

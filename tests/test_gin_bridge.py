@@ -132,14 +132,19 @@ def test_default_experiment_matches_golden_gin() -> None:
 @pytest.mark.parametrize("packing", [None, "seqio", "next_fit"])
 def test_default_data_packing_is_a_conf_key(packing: str | None, tmp_path: Path) -> None:
     """data.packing picks the local engine's packer for the default task too (first_fit
-    unless told); T5X packs with seqio and ignores it."""
-    from capibara_exp.data.packing import configured_packer
+    unless told), passed to the input pipeline in the DatasetConfigs the local engine's gin
+    edge builds; T5X packs with seqio and ignores it."""
+    from capibara_exp.data.packing import Packer
+    from capibara_exp.runtime import config as utils
 
     cfg = compose_config([f"data.packing={packing}"] if packing else [])
     text = gin_bridge.render(cfg, "local", GIN_DIR)
     assert f"PACKING = '{packing or 'first_fit'}'  # data.packing" in text
     gin_utils.parse(tmp_path / "config.gin", text)
-    assert configured_packer().strategy == (packing or "first_fit")
+    for scope in ("train", "train_eval"):
+        with gin.config_scope(scope):
+            dataset_cfg = gin.get_configurable(utils.DatasetConfig)()
+        assert dataset_cfg.packer == Packer(packing or "first_fit"), scope
     assert gin.query_parameter("train/utils.DatasetConfig.pack") is not None
 
 
@@ -257,12 +262,13 @@ def test_actions_of_several_templates_are_joined_not_overwritten(tmp_path: Path)
     cfg = compose_config(["early_stopping=default", "consensus=last_k"])
     text = gin_bridge.render(cfg, "local", GIN_DIR)
     assert text.count("train_script.train.actions =") == 1
-    assert ("train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_EARLY_STOPPING, "
-            "%TRAIN_EVAL_ACTION_CONSENSUS]}") in text
+    assert ("train_script.train.actions = {'TRAIN_EVAL': [%TRAIN_EVAL_ACTION_CHECKSUMS, "
+            "%TRAIN_EVAL_ACTION_EARLY_STOPPING, %TRAIN_EVAL_ACTION_CONSENSUS]}") in text
     (tmp_path / "config.gin").write_text(text)
     gin_utils.parse(tmp_path / "config.gin", text)
     actions = gin.get_bindings("train_script.train")["actions"]["TRAIN_EVAL"]
-    assert [type(a).__name__ for a in actions] == ["EarlyStoppingAction", "ConsensusMerge"]
+    assert [type(a).__name__ for a in actions] == ["ChecksumCheckpoints", "EarlyStoppingAction",
+                                                   "ConsensusMerge"]
 
 
 def test_a_template_binding_actions_itself_is_an_error(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from optuna.trial import TrialState
 from capibara_exp.cli.common import register_resolvers
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR
+from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import space, study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +172,42 @@ def test_rerunning_continues_the_study_to_n_trials_total(tmp_path: Path) -> None
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+def test_extending_a_study_never_repeats_a_finished_trials_parameters(tmp_path: Path) -> None:
+    """n_trials 3 -> 4: the fourth trial is new (re-seeding the sampler with the bare seed
+    replayed trial 0's parameters); the same command from scratch still samples the same."""
+    first = study.run(settings(n_trials=3), quadratic, tmp_path / "a")
+    before = [t.params["x"] for t in first.trials]
+    extended = [t.params["x"] for t in study.run(settings(n_trials=4), quadratic,
+                                                  tmp_path / "a").trials]
+    assert extended[:3] == before and extended[3] not in before
+    again = [t.params["x"] for t in study.run(settings(n_trials=3), quadratic,
+                                               tmp_path / "b").trials]
+    assert again == before  # deterministic for a seed
+    assert study.sampler_seed(0, 0, 0) != study.sampler_seed(0, 3, 0) != study.sampler_seed(0, 3, 1)
+
+
+def test_a_sweep_reports_each_trial_its_summary_and_a_no_op_rerun(tmp_path: Path) -> None:
+    cfg = settings(n_trials=5, pruner="median", params={"x": "interval(0, 6)"},
+                   storage=str(tmp_path / "study.journal"))
+    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"]))
+    for x in (0.3, 0.35, 5.0, 0.32, 6.0):  # two good, then a bad one the median pruner stops
+        s.enqueue_trial({"x": x})
+    lines: list[str] = []
+    study.run(cfg, curve_job, tmp_path, report=lines.append)
+    assert lines[0].startswith("trial 0: loss ") and "x=0.3" in lines[0]
+    pruned = [line for line in lines if " pruned at step " in line]
+    assert pruned and pruned[0].startswith("trial 2 pruned at step "), lines
+    results = yaml.safe_load((tmp_path / study.RESULTS).read_text())
+    text = "\n".join(study.summary(results, tmp_path))
+    counts = results["trials"]
+    assert f"5 trials ({counts['complete']} complete, {counts['pruned']} pruned, 0 failed)" in text
+    assert f"best loss {results['best_value']:.6g} (trial {results['best_trial']}): x=" in text
+    assert f"best command: {results['best_command']}" in text and str(tmp_path) in text
+    lines.clear()
+    study.run(cfg, curve_job, tmp_path, report=lines.append)  # the same command again
+    assert len(lines) == 1 and "already holds n_trials=5" in lines[0], lines
+
+
 def test_plots_are_explained_when_there_is_too_little_to_draw(tmp_path: Path) -> None:
     study.run(settings(n_trials=1), quadratic, tmp_path)
     plots = yaml.safe_load((tmp_path / study.RESULTS).read_text())["plots"]
@@ -247,7 +285,7 @@ def test_the_best_trial_command_runs_from_the_command_line(tmp_path: Path) -> No
     params = {"schedule": "warmup_cosine", "schedule.warmup_steps": 25,
               "model.capacity_factor": 1.5}
     groups = list(composed(list(fixed[:2]), hydra=True).hydra.runtime.choices)
-    path, command = study.best_lib.write(tmp_path, "moe", 4, 0.5, fixed, params, groups)
+    path, command = best_lib.write(tmp_path, "moe", 4, 0.5, fixed, params, groups)
     assert command.endswith("experiment=moe_best '~model.router_bias'")
     assert "- /experiment/moe_e2b_tiny" in path.read_text()
     out = subprocess.run([sys.executable, "-m", "capibara_exp.cli", "--config-dir",
@@ -482,6 +520,9 @@ def test_pruning_stops_bad_trials_early(tmp_path: Path, data_dir: Path) -> None:
         "schedule.base_learning_rate=interval(1e-7, 1e-6)",
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "trial 2 pruned at step " in out.stderr, out.stderr[-3000:]
+    assert "3 trials (2 complete, 1 pruned, 0 failed)" in out.stderr
+    assert "best command: capibara-exp" in out.stderr
     s = optuna.load_study(
         study_name="dense_tiny_lm", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
     )
@@ -519,16 +560,19 @@ def test_a_failing_trial_does_not_end_a_real_sweep(tmp_path: Path, data_dir: Pat
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.sampler=grid",
         "hydra.sweeper.max_failure_rate=1.0",
-        "model.position_embedding=choice(rope, alibi)",
+        "trainer.num_microbatches=2",
+        "data.batch_size=choice(4, 3)",  # 3 does not split into 2 microbatches: fails at run
     )
     assert out.returncode == 0, out.stderr[-3000:]
     s = optuna.load_study(
         study_name="dense_tiny_lm", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
     )
-    states = {t.params["model.position_embedding"]: t for t in s.trials}
-    assert states["rope"].state == TrialState.COMPLETE
-    assert states["alibi"].state == TrialState.FAIL
-    assert "DecoderConfig.position_embedding" in states["alibi"].user_attrs[study.ERROR]
+    states = {t.params["data.batch_size"]: t for t in s.trials}
+    assert states[4].state == TrialState.COMPLETE
+    assert states[3].state == TrialState.FAIL
+    assert "num_microbatches=2" in states[3].user_attrs[study.ERROR]
+    assert re.search(r"trial \d failed: ", out.stderr)
+    assert "1 complete, 0 pruned, 1 failed" in out.stderr
 
 
 def test_a_changed_choice_is_a_clear_error_and_leaves_no_running_trial(tmp_path: Path) -> None:

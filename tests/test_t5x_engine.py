@@ -1,13 +1,18 @@
-"""engine=t5x against real T5X: the same config.gin trains there, and checkpoints cross over.
+"""engine=t5x against real T5X: the same config.gin trains there, deterministically for a
+seed; a resumed run continues the data stream where it stopped (T5X's dataset checkpoints);
+its run dir reads as the local engine's; checkpoints cross between the engines.
 
-T5X is not on PyPI, so CI cannot install it; these tests run wherever `t5x` imports (a
-TPU VM, or a machine where it was installed from its repository).
+T5X is not on PyPI: CI installs it from the sources in ../shared/third_party (.ci/run);
+these tests run wherever `t5x` imports.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +21,13 @@ import pytest
 
 from capibara_exp.runtime import checkpoints
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("t5x") is None,
-                                reason="T5X is not installed (not on PyPI; install from its repo)")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("t5x") is None,
+                                 reason="T5X is not installed (not on PyPI; .ci/run installs it)"),
+              pytest.mark.slow]
 
-TINY = ["debug=fast", "model.emb_dim=32", "model.mlp_dim=64", "data.batch_size=4"]
+# seqio's own packer under both engines (T5X packs with seqio)
+TINY = ["debug=fast", "model.emb_dim=32", "model.mlp_dim=64", "data.batch_size=4",
+        "data.packing=seqio", "trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
 
 
 def capibara(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -29,14 +37,85 @@ def capibara(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return out
 
 
-@pytest.mark.slow
-def test_t5x_trains_the_gin_and_checkpoints_cross_between_engines(tmp_path: Path, data_dir) -> None:
-    model_dir = tmp_path / "model"
-    common = [f"model_dir={model_dir}", f"data_dir={data_dir}"]
-    t5x = ["engine=t5x", f"engine.python={sys.executable}"]
-    capibara(*t5x, *common, cwd=tmp_path)
-    assert checkpoints.steps(model_dir)[-2:] == [2, 4]  # T5X also writes checkpoint_0
-    out = capibara("engine=local", "trainer.train_steps=6", *common, cwd=tmp_path)
-    assert f"restored {model_dir}/checkpoint_4" in out.stderr
-    capibara(*t5x, "trainer.train_steps=8", *common, cwd=tmp_path)
-    assert checkpoints.steps(model_dir)[-1] == 8
+def train_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, Path]:
+    """T5X: A, six steps at once; B, four steps, then resumed to six; C, B's first four steps
+    resumed to six without T5X's dataset checkpoint; L, the local engine on the same gin."""
+    root = tmp_path_factory.mktemp("t5x")
+    dirs = {name: root / name for name in ("A", "B", "C", "L")}
+    t5x = ["engine=t5x", f"data_dir={data_dir}"]
+    capibara(*t5x, "trainer.train_steps=6", f"model_dir={dirs['A']}", cwd=root)
+    out = capibara(*t5x, f"model_dir={dirs['B']}", cwd=root)
+    dirs["stderr"] = out.stderr
+    shutil.copytree(dirs["B"], dirs["C"])
+    capibara(*t5x, "trainer.train_steps=6", f"model_dir={dirs['B']}", cwd=root)
+    capibara(*t5x, "trainer.train_steps=6", f"model_dir={dirs['C']}",
+             "--gin.utils.SaveCheckpointConfig.save_dataset=False", cwd=root)
+    capibara(f"data_dir={data_dir}", "trainer.train_steps=6", f"model_dir={dirs['L']}", cwd=root)
+    return dirs
+
+
+def test_t5x_is_deterministic_and_resumes_the_data_stream(runs: dict[str, Path]) -> None:
+    a, b, c = (train_losses(runs[k]) for k in "ABC")
+    assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3, 4, 5, 6]
+    # the same seed: the same losses in another process (T5X hands the seed to seqio)
+    assert [a[s] for s in range(1, 5)] == [b[s] for s in range(1, 5)]
+    # without the dataset checkpoint, the resumed run replays the stream from its start...
+    assert [c[5], c[6]] != [a[5], a[6]]
+    # ...with it (the default), it continues where it stopped: the uninterrupted run's losses
+    assert [b[5], b[6]] == pytest.approx([a[5], a[6]], rel=1e-6)
+    assert list((runs["B"] / "checkpoint_4" / "dataset").glob("train_ds-*"))
+
+
+def test_t5x_run_dir_reads_as_the_local_engines(runs: dict[str, Path]) -> None:
+    t5x, local = runs["A"], runs["L"]
+    for run in (t5x, local):
+        for name in ("config.gin", "operative_config.gin", ".hydra/config.yaml",
+                     "capibara-exp.log", "metrics.jsonl"):
+            assert (run / name).is_file(), (run, name)
+        assert list((run / "train").glob("events.*")), run
+        assert list((run / "train_eval").glob("events.*")), run
+        for step in checkpoints.steps(run):
+            assert (run / f"checkpoint_{step}" / "capibara_manifest.json").is_file(), (run, step)
+    assert not (t5x / "training_eval").exists()
+    records = {run: [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+               for run in (t5x, local)}
+    for split in ("train", "train_eval"):
+        keys = [{k for k in r if k != "time"} for run in (t5x, local)
+                for r in records[run] if r["split"] == split]
+        core = {"step", "split", "loss", "accuracy", "cross_ent_loss", "z_loss", "perplexity"}
+        assert all(core <= k for k in keys), split
+    # the same meaning: untrained, both engines' first loss per token is about ln(vocab)
+    for run in (t5x, local):
+        first = next(r["loss"] for r in records[run] if r["split"] == "train")
+        assert abs(first - math.log(260)) < 1.0, (run, first)
+    body = (t5x / "config.gin").read_text().split("# ---- body")[1]
+    assert body == (local / "config.gin").read_text().split("# ---- body")[1].replace(
+        str(local), str(t5x))
+
+
+def test_t5x_output_is_quiet_with_progress(runs: dict[str, Path]) -> None:
+    stderr = runs["stderr"]
+    assert "step 4/4  loss " in stderr and "capibara-exp: done; run dir" in stderr
+    for noise in ("absl::InitializeLog", "oneDNN", "cuInit", "FunctionDataset", "I0000 "):
+        assert noise not in stderr, noise
+
+
+def test_checkpoints_cross_between_engines(runs: dict[str, Path], data_dir: Path,
+                                           tmp_path: Path) -> None:
+    """The local engine resumes T5X's checkpoint; T5X resumes the local engine's."""
+    run = tmp_path / "X"
+    shutil.copytree(runs["B"], run, ignore=shutil.ignore_patterns("checkpoint_6"))
+    shutil.rmtree(run / "checkpoint_6", ignore_errors=True)
+    out = capibara("engine=local", "trainer.train_steps=6", f"model_dir={run}",
+                   f"data_dir={data_dir}", cwd=tmp_path)
+    assert f"restored {run}/checkpoint_4" in out.stderr
+    out = capibara("engine=t5x", "trainer.train_steps=8", f"model_dir={run}",
+                   f"data_dir={data_dir}", cwd=tmp_path)
+    assert "written by the local engine" in out.stderr
+    assert checkpoints.steps(run)[-1] == 8

@@ -11,11 +11,12 @@ deduplicated / filtered counts, warnings, quarantine and scrubbing figures). Exa
 from __future__ import annotations
 
 import json
+import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.cli.common import register_resolvers, user_errors
+from capibara_exp.cli.common import checked_argv, user_errors
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-data"
@@ -34,8 +35,9 @@ def _app(cfg: DictConfig) -> None:
     print(json.dumps(build.summary(manifest, data_dir), indent=2, ensure_ascii=False))
 
 
-def main() -> None:
-    register_resolvers()
+def main(argv: list[str] | None = None) -> None:
+    _, _, hydra_argv = checked_argv(PROG, "data_build", sys.argv[1:] if argv is None else argv)
+    sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 
 

@@ -1,24 +1,27 @@
-"""Console script `capibara-exp`: compose the Hydra config and hand it to `experiment.run`.
+"""Console script `capibara-exp`: check the command line, then let Hydra run `experiment.run`.
 
-Only Hydra, OmegaConf and the pure gin bridge are imported here, so `--help` and
-`--cfg job` answer without loading JAX, TensorFlow or SeqIO.
+Before Hydra starts the job (and makes its run dir), the command line is composed and
+checked (cli/checks.py): a mistake is one line and exit status 2 with nothing written.
+`--help` and `--cfg job` answer without loading JAX, TensorFlow or SeqIO.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from capibara_exp.cli import checks
 from capibara_exp.cli.common import (
-    config_dirs,
-    exit_on_bad_yaml,
+    checked_argv,
     fail,
-    register_resolvers,
     register_sweeper,
+    run_failed,
+    user_errors,
 )
-from capibara_exp.errors import ConfigError
+from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp"
@@ -31,17 +34,25 @@ def _app(cfg: DictConfig) -> dict | None:
 
     from capibara_exp import experiment  # heavy imports start here
 
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
-        return experiment.run(cfg)
-    except ConfigError as err:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return experiment.run(cfg, Path(hc.runtime.output_dir), dict(hc.runtime.choices),
+                              multirun)
+    except (ConfigError, RunError) as err:
+        if multirun:
             raise  # the sweeper records the job as failed and goes on
+        if isinstance(err, RunError):
+            run_failed(PROG, err)
         fail(PROG, f"configuration error: {err}")
 
 
-def main() -> None:
-    exit_on_bad_yaml(PROG, config_dirs(sys.argv[1:]))
-    register_resolvers()
+def main(argv: list[str] | None = None) -> None:
+    line, comp, hydra_argv = checked_argv(PROG, "config", sys.argv[1:] if argv is None else argv)
+    if comp is not None:
+        with user_errors(PROG, prefix="configuration error: "):
+            checks.check_run(comp, line)
+    sys.argv = [sys.argv[0], *hydra_argv]
     register_sweeper()
     _app()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from capibara_exp.cli.common import fail, user_errors
+from capibara_exp.cli.common import checked_argv, user_errors
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-merge"
@@ -19,10 +19,6 @@ def _app(cfg: DictConfig) -> None:
     from capibara_exp.consensus import command, report
     from capibara_exp.consensus.gate import ConsensusError
 
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        fail(PROG, f"missing mandatory value(s) {', '.join(missing)} ({CONF_DIR / 'merge.yaml'}); "
-                   "e.g. 'runs=[outputs/a,outputs/b]' out=merged")
     with user_errors(PROG, ConsensusError, ValueError, FileNotFoundError):
         rep = command.run_merge(cfg)
     for line in ([] if "rounds" in rep else report.warning_lines(rep)):
@@ -30,7 +26,9 @@ def _app(cfg: DictConfig) -> None:
     print(f"{PROG}: {command.summary(rep)}", file=sys.stderr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    _, _, hydra_argv = checked_argv(PROG, "merge", sys.argv[1:] if argv is None else argv)
+    sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 
 

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
-from capibara_exp.cli.common import exit_on_bad_yaml, register_resolvers, user_errors
+from capibara_exp.cli.common import checked_argv, fail, user_errors
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-tune-mesh"
@@ -22,19 +22,31 @@ def _app(cfg: DictConfig) -> dict:
     from capibara_exp.tuning import plan
 
     hc = HydraConfig.get()
-    with user_errors(PROG, RuntimeError):
-        return plan.run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
+    run_dir = Path(hc.runtime.output_dir).absolute()
+    if cfg.get("model_dir") is None:  # config.gin's MODEL_DIR for the candidates' gin
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.model_dir = str(run_dir)
+    with user_errors(PROG):
+        return plan.run(cfg, run_dir, list(hc.overrides.task))
 
 
 SETTINGS = "tune_mesh"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.
-    if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in sys.argv[1:]):
-        sys.argv.append(f"+{SETTINGS}=default")
-    exit_on_bad_yaml(PROG, [CONF_DIR])
-    register_resolvers()
+    if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in argv):
+        argv.append(f"+{SETTINGS}=default")
+    _, comp, hydra_argv = checked_argv(PROG, "config", argv)
+    if comp is not None and comp.cfg.topology != "cpu":
+        from capibara_exp.tuning import topology
+
+        if not topology.libtpu_installed():  # before Hydra makes the study's dir
+            fail(PROG, f"configuration error: topology={comp.cfg.topology}: "
+                       f"{topology.INSTALL_HINT}")
+    sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 
 

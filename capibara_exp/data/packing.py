@@ -1,6 +1,7 @@
 """Packing with the Cython kernel into seqio's decoder features, and the packer setting.
 
-`packer` is the setting (gin: `data_packing.packer.strategy`, from conf/data/ `packing`):
+`packer` is the setting (gin: `data_packing.packer.strategy`, from conf/data/ `packing`), which
+the input pipeline takes as an argument (runtime/inputs.py: the DatasetConfig's `packer`):
 'first_fit' (the kernel's best fill; the local engine's default), 'next_fit' (the kernel
 reproducing seqio's rows bit for bit) or 'seqio' (seqio's own feature converter).
 `decoder_features` turns packed rows into the features seqio.DecoderFeatureConverter
@@ -68,18 +69,9 @@ class Packer:
 
 
 def packer(strategy: str = "first_fit", max_open_rows: int = 64) -> Packer:
-    """The packer setting (a gin configurable of the local engine's input pipeline)."""
+    """The packer setting (gin: data_packing.packer; the local engine's gin edge passes
+    it to the input pipeline in its DatasetConfigs)."""
     return Packer(strategy, max_open_rows)
-
-
-def configured_packer() -> Packer:
-    """The packer bound in the parsed gin config, or the default when none binds it."""
-    import gin
-
-    try:
-        return gin.get_configurable(packer)()
-    except ValueError:  # no gin config registered this function: nothing bound
-        return packer()
 
 
 def label_feature_of(converter_cls: type) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from capibara_exp import environment
 from capibara_exp.errors import ConfigError
 
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distributed", choices=("single", "auto"), default="single",
                         help="auto: join the slice's processes (jax.distributed.initialize())")
     args = parser.parse_args(argv)
+    environment.prepare()
     if args.distributed == "auto":
         import jax
 

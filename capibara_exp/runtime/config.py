@@ -51,6 +51,9 @@ class DatasetConfig:
     module: str | Sequence[str] | None = None
     use_memory_cache: bool = True
     trim_output_features: bool = True
+    # The local engine's own (T5X packs with seqio): how the input pipeline packs. The gin
+    # edge (gin_utils.parse) hands it the configured data_packing.packer; None: the default.
+    packer: Any = None
 
     def __post_init__(self) -> None:
         reject_unsupported("utils.DatasetConfig", use_cached=self.use_cached,
@@ -78,7 +81,10 @@ class SaveCheckpointConfig:
     keep_dataset_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
-        reject_unsupported("utils.SaveCheckpointConfig", save_dataset=self.save_dataset,
+        # save_dataset: T5X saves the train iterator so a resumed run continues the data
+        # stream; the local engine's input is deterministic and resumes at the checkpoint's
+        # step, so it continues the stream either way and has nothing more to save.
+        reject_unsupported("utils.SaveCheckpointConfig",
                            keep_dataset_checkpoints=self.keep_dataset_checkpoints,
                            checkpointer_cls=self.checkpointer_cls,
                            state_transformation_fns=tuple(self.state_transformation_fns),

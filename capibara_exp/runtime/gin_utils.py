@@ -13,7 +13,15 @@ from capibara_exp.gin_bridge import BINDING_MARK
 from gin import config_parser
 
 OPERATIVE_CONFIG = "operative_config.gin"
-_TEMPLATE_MARK_RE = re.compile(r"^# ===== (gin/\S+|values from conf/|gin_bindings)")
+# The local engine's edge: its DatasetConfigs take the packer config.gin configures
+# (data_packing.packer, which T5X never reads), so the input pipeline gets it as an argument.
+_PACKER_BINDING = """from __gin__ import dynamic_registration
+from capibara_exp.data import packing as data_packing
+from capibara_exp.runtime import config as utils
+utils.DatasetConfig.packer = @data_packing.packer()
+"""
+_TEMPLATE_MARK_RE = re.compile(
+    r"^# ===== (gin/\S+|values from conf/|gin_bindings|gin_files\[\d+\]: \S+)")
 _BINDING_MARK_RE = re.compile(rf"^{re.escape(BINDING_MARK)}(\d+)\]: (\S+)$")
 _LINE_RE = re.compile(r"line (\d+)")
 # gin appends this to an exception raised inside a configurable (innermost call first).
@@ -91,13 +99,25 @@ def parse(path: str | Path, gin_text: str | None = None) -> None:
     try:
         with gin.unlock_config():
             gin.parse_config(text)
+            if not _bound("utils.DatasetConfig.packer"):
+                gin.parse_config(_PACKER_BINDING)
     except Exception as err:  # gin raises ValueError, SyntaxError, ImportError, KeyError...
         message = str(err).strip()
         lineno = _error_line(err, message)
+        message = message.splitlines()[0] if message else type(err).__name__  # gin adds the
+        # binding's text and line below, which `where` names
         where = f"{path}"
         if lineno:
             where = f"{path}:{lineno} (from {origin(text, lineno)})"
         raise ConfigError(f"{where}: {type(err).__name__}: {message}") from err
+
+
+def _bound(selector: str) -> bool:
+    try:
+        gin.query_parameter(selector)
+    except ValueError:
+        return False
+    return True
 
 
 def _binding_origin(gin_text: str, message: str, scope: str = "") -> str | None:

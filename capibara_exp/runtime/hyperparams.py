@@ -2,13 +2,15 @@
 
 `optax.adamw(learning_rate=..., weight_decay=0.01)` bakes its numbers into the compiled
 train step as constants, so every trial of a learning-rate sweep compiles its own step.
-Under engine=local the gin name `optax` is this module: the same factories with the same
-signatures, except that every float argument, and every number of a
-`utils.create_learning_rate_scheduler` schedule, becomes an array in the optimizer state.
-Trials that differ only in those numbers lower to one program, which XLA's compilation
-cache then serves. The arrays are configuration, not training state: checkpoints leave
-them out (`strip`), so the layout is T5X's, and a restore takes them from the config
-(`rejoin`). Other optax names pass through unchanged.
+config.gin names optimizers `hyperparams.<name>`: under engine=local that is this module,
+whose optimizers below are optax's own with the same signatures, except that every float
+argument, and every number of a `utils.create_learning_rate_scheduler` schedule, becomes
+an array in the optimizer state; under engine=t5x the header imports optax itself under
+that name. Trials that differ only in those numbers lower to one program, which XLA's
+compilation cache then serves. The arrays are configuration, not training state:
+checkpoints leave them out (`strip`), so the layout is T5X's, and a restore takes them from
+the config (`rejoin`). An optax name that is not listed here is not available in gin under
+engine=local: add it below (`name = lift(optax.name)`).
 """
 
 from __future__ import annotations
@@ -91,12 +93,20 @@ def rejoin(template: Any, stripped: Any) -> Any:
                         template, stripped, is_leaf=_is_wrapped)
 
 
-_OPTIMIZERS = ("adam", "adamw", "adafactor", "adagrad", "adamax", "adamaxw", "lamb", "lion",
-               "nadam", "nadamw", "rmsprop", "sgd", "add_decayed_weights",
-               "clip_by_global_norm", "clip", "scale")
-globals().update({name: lift(getattr(optax, name)) for name in _OPTIMIZERS})
-
-
-def __getattr__(name: str) -> Any:
-    """Every other optax name, unchanged (its numbers stay compile-time constants)."""
-    return getattr(optax, name)
+# The optimizers config.gin may name as `hyperparams.<name>` (engine=t5x: optax's own).
+adam = lift(optax.adam)
+adamw = lift(optax.adamw)
+adafactor = lift(optax.adafactor)
+adagrad = lift(optax.adagrad)
+adamax = lift(optax.adamax)
+adamaxw = lift(optax.adamaxw)
+lamb = lift(optax.lamb)
+lion = lift(optax.lion)
+nadam = lift(optax.nadam)
+nadamw = lift(optax.nadamw)
+rmsprop = lift(optax.rmsprop)
+sgd = lift(optax.sgd)
+add_decayed_weights = lift(optax.add_decayed_weights)
+clip = lift(optax.clip)
+clip_by_global_norm = lift(optax.clip_by_global_norm)
+scale = lift(optax.scale)

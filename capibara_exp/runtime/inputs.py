@@ -111,10 +111,11 @@ def batches(
 ) -> Iterator[dict[str, np.ndarray]]:
     """Batches of a data set, deterministic for a seed; `skip_batches` resumes mid-stream.
 
+    `packer`: how to pack (default: the data set's `cfg.packer`, else packing.Packer()).
     A converter class made by packing.carrying_labels adds its label feature per token.
     With share_across_runs on, the stream's batches are kept (read-only) and replayed."""
     import_modules(cfg)
-    packer = packer or packing.configured_packer()
+    packer = packer or cfg.packer or packing.Packer()
     label_feature = packing.label_feature_of(feature_converter_cls)
     if label_feature and not _kernel_packs(cfg, packer):
         raise ValueError(

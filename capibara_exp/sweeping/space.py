@@ -18,6 +18,7 @@ import optuna.distributions as od
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 
+from capibara_exp import overrides
 from capibara_exp.errors import ConfigError
 
 
@@ -120,14 +121,4 @@ def parse(overrides: Iterable[str]) -> SearchSpace:
 
 def to_override(key: str, value: object) -> str:
     """A sampled value as a Hydra override string."""
-    if isinstance(value, str):
-        if _needs_quotes(value):
-            value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-        return f"{key}={value}"
-    if isinstance(value, float):
-        return f"{key}={value!r}"
-    return f"{key}={value}"
-
-
-def _needs_quotes(value: str) -> bool:
-    return not value.replace("_", "").replace("-", "").replace(".", "").isalnum()
+    return overrides.override(key, value)

@@ -10,41 +10,51 @@ new trials start.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import itertools
 import logging
 import math
 import os
 import socket
-import threading
-import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
-import sqlalchemy
-import yaml
 from optuna.trial import TrialState
 
 from capibara_exp.errors import ConfigError
-from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import space as space_lib
+
+# The study's storage and results live in their own modules; their names are this
+# module's too (the sweeper, the pruning action and tests use them from here).
+from capibara_exp.sweeping.results import NOT_RUN, RESULTS, counted, summary, write_results
+from capibara_exp.sweeping.storage import (
+    ERROR,
+    HEARTBEAT_S,
+    ORPHANED,
+    STALE,
+    fail_orphans,
+    fail_stale,
+    heartbeat,
+    heartbeat_interval,
+    make_storage,
+    storage_url,
+)
+
+__all__ = ["ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "RESULTS", "STALE", "SweepSettings",
+           "counted", "fail_orphans", "fail_stale", "heartbeat", "heartbeat_interval",
+           "make_pruner", "make_sampler", "make_storage", "open_study", "run", "storage_url",
+           "summary", "write_results"]
 
 log = logging.getLogger(__name__)
 
 PRUNED_AT = "pruned_at_step"
 PRUNER_OPTIONS = "pruner_options"  # a trial's job rebuilds its sweep's pruner with these
-ERROR = "error"
-ORPHANED = "its process died"
-STALE = "no heartbeat within the grace period: its machine or process died"
-HEARTBEAT_S = 60  # heartbeat interval on RDB storages other than SQLite, unless configured
 MIN_FINISHED = 5  # finished trials before max_failure_rate applies (fewer if n_trials is less)
-NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last trial
-RESULTS = "optimization_results.yaml"
 CACHE_KEY = "compilation_cache_dir"
 STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
 # Samplers whose Optuna implementation imports a package on first use: (module, how to get it)
@@ -173,132 +183,28 @@ def make_pruner(name: str, options: dict[str, Any] | None = None) -> optuna.prun
                           f"{err}") from err
 
 
-def storage_url(storage: str | None, sweep_dir: Path) -> str:
-    """The configured storage, or SQLite in the sweep dir."""
-    if storage:
-        return storage
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{(sweep_dir / 'optuna.db').absolute()}"
-
-
-def _is_journal(url: str) -> bool:
-    return url.endswith((".log", ".journal")) and "://" not in url
-
-
-def heartbeat_interval(settings: SweepSettings, url: str) -> int | None:
-    """Seconds between a running trial's heartbeats in the storage; None: no heartbeat.
-
-    On by default where workers may run on other machines (an RDB storage other than
-    SQLite): a trial whose machine died is then failed once its heartbeat is older than the
-    grace period. On this host, the pid check (fail_orphans) finds dead processes at once."""
-    if settings.heartbeat_interval is not None:
-        if settings.heartbeat_interval and _is_journal(url):
-            raise ConfigError(f"hydra.sweeper.heartbeat_interval: the journal storage {url} "
-                              "keeps no heartbeats; use an RDB storage (PostgreSQL) or 0")
-        return settings.heartbeat_interval or None
-    if _is_journal(url) or url.startswith("sqlite"):
-        return None
-    return HEARTBEAT_S
-
-
-def make_storage(url: str, heartbeat_s: int | None = None,
-                 grace_period_s: int | None = None) -> optuna.storages.BaseStorage:
-    """An Optuna storage for a SQLAlchemy URL or a journal file path (*.log, *.journal)."""
-    if _is_journal(url):
-        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
-    # Local workers write one SQLite file at once: wait for its lock instead of failing.
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    heartbeat = {"heartbeat_interval": heartbeat_s, "grace_period": grace_period_s}
-    for attempt in range(5):
-        try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **heartbeat)
-        except sqlalchemy.exc.SQLAlchemyError:
-            # Workers starting together on a new database race to create its tables; the
-            # loser finds them made on a second look.
-            if attempt == 4:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
 def open_study(settings: SweepSettings, url: str, space: space_lib.SearchSpace) -> optuna.Study:
     multi = len(settings.directions) > 1
     storage = make_storage(url, heartbeat_interval(settings, url), settings.grace_period)
-    # Workers with one seed would sample the same points: each gets its own.
-    seed = None if settings.seed is None else settings.seed + settings.worker_index
-    return optuna.create_study(
+    study = optuna.create_study(
         study_name=settings.study_name, storage=storage, load_if_exists=True,
-        directions=settings.directions,
-        sampler=make_sampler(settings.sampler, seed, space, multi, settings.sampler_options),
-        pruner=make_pruner(settings.pruner, settings.pruner_options))
+        directions=settings.directions, pruner=make_pruner(settings.pruner,
+                                                           settings.pruner_options))
+    seed = sampler_seed(settings.seed, len(study.get_trials(deepcopy=False)),
+                        settings.worker_index)
+    study.sampler = make_sampler(settings.sampler, seed, space, multi, settings.sampler_options)
+    return study
 
 
-def fail_orphans(study: optuna.Study) -> list[int]:
-    """Mark FAIL the RUNNING trials of dead processes on this host (a killed sweep)."""
-    host, failed = socket.gethostname(), []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        attrs = trial.user_attrs
-        if attrs.get("host") == host and not _alive(int(attrs.get("pid", -1))):
-            study._storage.set_trial_user_attr(trial._trial_id, ERROR, ORPHANED)
-            study.tell(trial.number, state=TrialState.FAIL)
-            failed.append(trial.number)
-    return failed
-
-
-def fail_stale(study: optuna.Study) -> list[int]:
-    """Mark FAIL the RUNNING trials whose heartbeat is older than the grace period (a dead
-    machine's, or a dead process's anywhere); nothing on a storage without heartbeats."""
-    storage = study._storage
-    if not getattr(storage, "get_heartbeat_interval", lambda: None)():
-        return []
-    failed = []
-    # Optuna's fail_stale_trials does this too, but fails first: then the reason can no
-    # longer be recorded on the trial (the storage refuses to change a finished trial).
-    for trial_id in storage._get_stale_trial_ids(study._study_id):
-        try:
-            storage.set_trial_user_attr(trial_id, ERROR, STALE)
-            if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                failed.append(storage.get_trial(trial_id).number)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # another worker failed it first
-    return failed
-
-
-@contextlib.contextmanager
-def heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
-    """Record the trial's heartbeat in the storage every interval while the block runs."""
-    storage = study._storage
-    interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
-    if not interval:
-        yield
-        return
-    stop = threading.Event()
-
-    def beat() -> None:
-        while True:
-            storage.record_heartbeat(trial._trial_id)
-            if stop.wait(interval):
-                return
-
-    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def sampler_seed(seed: int | None, trials_so_far: int, worker_index: int) -> int | None:
+    """The sampler's seed for this invocation: the configured seed mixed with how many trials
+    the study already holds and the worker's index. A new study's first invocation samples
+    the same points for the same seed; one that continues a study (or another worker)
+    does not replay the points its predecessors sampled, as re-seeding with the bare seed
+    would (trial 0's parameters again)."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, trials_so_far, worker_index]).generate_state(1)[0])
 
 
 def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
@@ -316,13 +222,15 @@ Launch = Callable[[list[str], int], Any]  # (overrides, trial number) -> the job
 
 def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Sequence[str] = (),
         on_open: Callable[[], Any] | None = None, groups: Sequence[str] = (),
-        write: bool = True) -> optuna.Study:
+        write: bool = True, report: Callable[[str], None] | None = None) -> optuna.Study:
     """Run trials until the study has n_trials; return the study.
 
     `arguments` are the sweep's task overrides (they win over `settings.params`); `groups`
     the composed config's groups, for the best-trial file (see best.write). `on_open` runs
     once the study exists in its storage (the sweeper starts its workers there, so they
-    find the study made). `write`: write the results at the end (write_results)."""
+    find the study made). `write`: write the results at the end (write_results). `report`
+    gets a line per finished trial, and one when the study already holds n_trials."""
+    report = report or (lambda line: None)
     space = search_space(settings, arguments)
     if not space.distributions:
         raise ConfigError("hydra.sweeper.params and the command line define no search dimension "
@@ -338,6 +246,9 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
         log.warning("hydra.sweeper.pruner=%s is off: Optuna prunes single-objective studies "
                     "only, and this one has %d directions", settings.pruner,
                     len(settings.directions))
+    if len(counted(study)) >= settings.n_trials:
+        report(f"study '{settings.study_name}' already holds n_trials={settings.n_trials} "
+               f"trials ({sweep_dir}): nothing to run; raise hydra.sweeper.n_trials for more")
     while len(counted(study)) < settings.n_trials:
         if settings.sampler == "grid" and grid_done(study, space):
             break  # every point once, never twice
@@ -345,19 +256,10 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
         trial = _ask(study, space)
         if _lost_race(study, trial, settings.n_trials):
             break
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
-        overrides = job_overrides(space, trial.params)
-        if pruning:
-            if settings.pruner_options:
-                trial.set_user_attr(PRUNER_OPTIONS, dict(settings.pruner_options))
-            overrides.append(trial_override(url, settings, trial.number))
-        if settings.compile_cache and not any(
-                f.startswith(CACHE_KEY + "=") for f in space.fixed):
-            cache = str(sweep_dir.absolute() / "xla_cache")
-            overrides.append(space_lib.to_override(CACHE_KEY, cache))
+        overrides = _trial_overrides(study, trial, space, settings, url, pruning, sweep_dir)
         with heartbeat(study, trial):
             _run_trial(study, trial, launch, overrides, settings.metrics)
+        report(outcome(study, trial.number, settings.metrics))
         _check_failure_rate(study, settings.max_failure_rate,
                             min(settings.n_trials, MIN_FINISHED))
     if write:
@@ -365,17 +267,43 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
     return study
 
 
+def _trial_overrides(study: optuna.Study, trial: optuna.Trial, space: space_lib.SearchSpace,
+                     settings: SweepSettings, url: str, pruning: bool,
+                     sweep_dir: Path) -> list[str]:
+    """The trial's job overrides (with its pruning hook and the shared compile cache)."""
+    trial.set_user_attr("host", socket.gethostname())
+    trial.set_user_attr("pid", os.getpid())
+    overrides = job_overrides(space, trial.params)
+    if pruning:
+        if settings.pruner_options:
+            trial.set_user_attr(PRUNER_OPTIONS, dict(settings.pruner_options))
+        overrides.append(trial_override(url, settings, trial.number))
+    if settings.compile_cache and not any(f.startswith(CACHE_KEY + "=") for f in space.fixed):
+        cache = str(sweep_dir.absolute() / "xla_cache")
+        overrides.append(space_lib.to_override(CACHE_KEY, cache))
+    return overrides
+
+
+def outcome(study: optuna.Study, number: int, metrics: Sequence[str]) -> str:
+    """One line for a finished trial: its value, 'pruned at step N', or its error."""
+    trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+    params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in trial.params.items())
+    if trial.state == TrialState.PRUNED:
+        value = f"; {metrics[0]} {trial.value:.6g}" if trial.value is not None else ""
+        return f"trial {number} pruned at step {trial.user_attrs.get(PRUNED_AT)}{value} ({params})"
+    if trial.state == TrialState.FAIL:
+        error = str(trial.user_attrs.get(ERROR, "unknown error")).splitlines()[0][:300]
+        return f"trial {number} failed: {error}"
+    if trial.state == TrialState.COMPLETE:
+        values = ", ".join(f"{m} {v:.6g}" for m, v in zip(metrics, trial.values, strict=False))
+        return f"trial {number}: {values} ({params})"
+    return f"trial {number}: {trial.state.name.lower()}"
+
+
 def job_overrides(space: space_lib.SearchSpace, params: dict[str, Any]) -> list[str]:
     """A trial's Hydra overrides: the sweep's fixed ones, then the trial's sampled values."""
     return [*space.fixed, *(space_lib.to_override(k, v) for k, v in params.items())]
-
-
-def counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The study's started trials, less those asked by a worker that lost the race for the
-    last one. Enqueued (WAITING) trials count once a worker asks for them: ask() runs them
-    first."""
-    return [t for t in study.get_trials(deepcopy=False)
-            if t.state != TrialState.WAITING and NOT_RUN not in t.user_attrs]
 
 
 def _lost_race(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
@@ -465,36 +393,3 @@ def _check_failure_rate(study: optuna.Study, max_rate: float, min_finished: int)
 def search_space(settings: SweepSettings, arguments: Sequence[str]) -> space_lib.SearchSpace:
     """hydra.sweeper.params, then the sweep's task overrides (which win for a shared key)."""
     return space_lib.parse([*(f"{k}={v}" for k, v in settings.params.items()), *arguments])
-
-
-def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
-                  fixed: Sequence[str] = (), groups: Sequence[str] = ()) -> dict:
-    """optimization_results.yaml and the best trial as an experiment file (best.write: the
-    fixed overrides `fixed` and the config groups `groups` go into it)."""
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    trials = counted(study)
-    counts = {s.name.lower(): sum(t.state == s for t in trials)
-              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
-    results: dict[str, Any] = {"name": "capibara_optuna", "study_name": study.study_name,
-                               "directions": settings.directions, "metrics": settings.metrics,
-                               "trials": counts}
-    if complete and len(settings.directions) == 1:
-        best = study.best_trial
-        results.update(best_params=dict(best.params), best_value=best.value,
-                       best_trial=best.number)
-        try:
-            path, command = best_lib.write(sweep_dir, settings.study_name, best.number,
-                                           best.value, fixed, best.params, groups)
-            results.update(best_experiment=str(path), best_command=command)
-        except ConfigError as err:  # the results themselves must still be written
-            log.warning("best trial's experiment file not written: %s", err)
-            results["best_experiment"] = f"not written: {err}"
-    elif complete:
-        results["pareto_front"] = [{"trial": t.number, "params": dict(t.params),
-                                    "values": list(t.values)} for t in study.best_trials]
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    from capibara_exp.sweeping.plots import write_plots  # matplotlib, only once a sweep ends
-
-    results["plots"] = write_plots(study, sweep_dir)
-    (sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
-    return results

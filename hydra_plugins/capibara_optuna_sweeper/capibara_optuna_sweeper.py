@@ -63,7 +63,7 @@ class CapibaraOptunaSweeper(Sweeper):
         groups = list(self.config.hydra.runtime.choices)
         try:
             study = study_lib.run(settings, launch, sweep_dir, arguments, on_open=start_workers,
-                                  write=False)
+                                  write=False, report=_say)
         except BaseException:
             workers.stop(procs)
             raise
@@ -72,5 +72,13 @@ class CapibaraOptunaSweeper(Sweeper):
         # started share its sweep dir and leave the results to it.
         if settings.worker_index == 0:
             fixed = study_lib.search_space(settings, arguments).fixed
-            study_lib.write_results(study, settings, sweep_dir, fixed, groups)
+            results = study_lib.write_results(study, settings, sweep_dir, fixed, groups)
+            for line in study_lib.summary(results, sweep_dir):
+                _say(line)
         return study
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(f"capibara-exp: {line}", file=sys.stderr, flush=True)

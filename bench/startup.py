@@ -1,0 +1,93 @@
+"""The edit-run loop: wall time of `capibara-exp debug=fast` run again (XLA's compile cache and
+the data from the first run in place) against the first run, and against real T5X training
+the same config.gin where T5X is installed. Goal: the repeated run within 10 s on a 2-core
+CPU machine.
+
+    python bench/startup.py [--repeats 3]
+
+Each run is a new process with a new run dir, as a user's is; the first uses an empty
+cache dir ($XDG_CACHE_HOME) and data dir. Medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GOAL_S = 10.0
+COMMAND = [sys.executable, "-m", "capibara_exp.cli", "debug=fast"]
+
+
+CPU_S: list[float] = []  # CPU seconds (user + system) of each run, beside its wall time
+
+
+def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    if out.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return wall
+
+
+def t5x_wall(root: Path, env: dict[str, str], repeats: int) -> float | None:
+    """Real T5X (`python -m t5x.train`) on the config.gin capibara-exp renders for it, each
+    run in a new model dir; the first run warms its caches too."""
+    if importlib.util.find_spec("t5x") is None:
+        return None
+    rendered = root / "t5x_first"
+    timed([*COMMAND, "engine=t5x", f"model_dir={rendered}"], env, root)
+    text = (rendered / "config.gin").read_text()
+    walls = []
+    for i in range(repeats):
+        model_dir = root / f"t5x_{i}"
+        gin = root / f"t5x_{i}.gin"
+        gin.write_text(re.sub(r"^MODEL_DIR = .*$", f"MODEL_DIR = '{model_dir}'", text,
+                              flags=re.M))
+        walls.append(timed([sys.executable, "-m", "t5x.train", f"--gin_file={gin}"], env, root))
+    return statistics.median(walls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="capibara-startup-") as tmp:
+        root = Path(tmp)
+        env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache")}
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        data = [f"data_dir={root / 'data'}"]
+        first = timed([*COMMAND, *data], env, root)
+        again = [timed([*COMMAND, *data], env, root) for _ in range(args.repeats)]
+        second, cpu = statistics.median(again), statistics.median(CPU_S[1:])
+        t5x = t5x_wall(root, env, args.repeats)
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f} on {os.cpu_count()} cores (wall times grow with it)")
+    print(f"capibara-exp debug=fast, first run (empty caches): {first:6.1f} s "
+          f"({CPU_S[0]:.1f} s CPU)")
+    print(f"capibara-exp debug=fast, run again (median of {args.repeats}): {second:6.1f} s "
+          f"({', '.join(f'{w:.1f}' for w in again)}; {cpu:.1f} s CPU)")
+    print(f"  again / first: {second / first:.2f}x")
+    if t5x is not None:
+        print(f"real T5X on the same config.gin (median of {args.repeats}): {t5x:6.1f} s")
+        print(f"  capibara-exp again / T5X: {second / t5x:.2f}x")
+    else:
+        print("real T5X: not installed here (see /work/shared/third_party/README.md)")
+    verdict = "PASS" if second <= GOAL_S else "FAIL"
+    print(f"{verdict}: a repeated debug=fast run takes {second:.1f} s (goal <= {GOAL_S:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

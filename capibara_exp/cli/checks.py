@@ -1,0 +1,144 @@
+"""What `capibara-exp` checks before Hydra starts the job (so a mistake leaves no run dir):
+the composed values (config_check), the T5X gin flags, a sweep's search space, and for a
+run the rendered config.gin, parsed against the engine's configurables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from capibara_exp import config_check, config_schema, environment, gin_bridge
+from capibara_exp.cli import compose as composing
+from capibara_exp.cli.flags import CommandLine
+from capibara_exp.config_check import Composition
+from capibara_exp.errors import ConfigError
+from capibara_exp.overrides import override
+from capibara_exp.paths import GIN_DIR
+
+GIN_LIST_KEYS = ("gin_files", "gin_bindings", "gin_search_paths")
+
+
+def compose_checked(line: CommandLine, config_name: str,
+                    extra: list[str] = ()) -> tuple[Composition, list[str]]:
+    """The composed, checked config of a command line, and the overrides Hydra gets (T5X's
+    gin flags appended to the lists they extend)."""
+    overrides = [*line.overrides, *extra]
+    if line.has_gin_flags:
+        first = composing.compose(config_name, overrides, line.config_dirs, line.multirun)
+        overrides = [o for o in overrides if o.lstrip("+~").split("=")[0] not in GIN_LIST_KEYS]
+        for key in GIN_LIST_KEYS:
+            given = list(first.cfg.get(key) or []) + list(getattr(line, key))
+            if given:
+                overrides.append(override(key, [_absolute_gin_file(key, v) for v in given]))
+    comp = composing.compose(config_name, overrides, line.config_dirs, line.multirun)
+    config_check.check(comp)
+    return comp, overrides
+
+
+def _absolute_gin_file(key: str, value: str) -> str:
+    """gin files given on the command line, made absolute when found from here (the run
+    may read them from another directory: a sweep's workers, T5X)."""
+    return str(Path(value).absolute()) if key == "gin_files" and Path(value).is_file() \
+        else value
+
+
+def check_run(comp: Composition, line: CommandLine) -> None:
+    """capibara-exp's checks beyond the values: sweeps, engines, the rendered gin."""
+    cfg = without_hydra(comp.cfg)
+    if line.multirun:
+        check_sweep(comp)
+        if cfg.get("model_dir") is not None:
+            raise ConfigError(f"model_dir={cfg.model_dir} with -m: every job would write that "
+                              "one dir; leave model_dir unset (each job gets its own)")
+    from capibara_exp.launch import distributed
+
+    distributed.check(cfg.distributed, cfg.get("model_dir") is None)
+    if cfg.engine.name == "t5x":
+        from capibara_exp.launch import t5x_engine
+
+        t5x_engine.check_installed()
+    if cfg.engine.name == "tpu_vm":
+        from capibara_exp.launch import tpu_vm
+
+        cfg = _bind_model_dir(cfg, cfg.get("model_dir") or cfg.engine.model_dir)
+        tpu_vm.check(cfg)
+    else:
+        cfg = _bind_model_dir(cfg, str(Path(comp.cfg.hydra.run.dir).absolute()))
+    text = gin_bridge.render(cfg, "local", GIN_DIR, sources(comp))
+    if line.multirun or line.shows_config or cfg.engine.name == "tpu_vm":
+        return
+    from capibara_exp import experiment
+
+    os.environ[experiment.DATA_DIR_ENV] = str(cfg.data_dir)
+    experiment.prepare_data(cfg)  # before JAX loads: the build forks
+    environment.import_tensorflow(bool(cfg.get("verbose")))
+    from capibara_exp.runtime import gin_utils
+
+    gin_utils.parse(experiment.CONFIG_GIN, text)  # the file the run will write
+
+
+def sources(comp: Composition) -> dict[str, str]:
+    """Group -> the file that chose its values, for the bridge's messages."""
+    out = {"root": str(comp.primary)}
+    for group in comp.choices:
+        if not group.startswith("hydra"):
+            out[group] = comp.option_file(group)
+    return out
+
+
+def without_hydra(cfg: DictConfig) -> DictConfig:
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
+
+
+def _bind_model_dir(cfg: DictConfig, model_dir: str) -> DictConfig:
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.model_dir = model_dir
+    return cfg
+
+
+def check_sweep(comp: Composition) -> None:
+    """Every value a sweep can give a key must be one the key allows: each choice, both ends
+    of an interval or range; a config group's options must exist; the sweeper's settings."""
+    hydra = comp.cfg.hydra
+    if "capibara_optuna" not in str(hydra.sweeper.get("_target_", "")):
+        return
+    params = hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
+    task = list(hydra.overrides.task)
+    from capibara_exp.sweeping import space, study
+
+    settings = {k: v for k, v in OmegaConf.to_container(hydra.sweeper, resolve=True).items()
+                if k != "_target_"}
+    study.SweepSettings(**settings)
+    searched = space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
+    for key, dist in searched.distributions.items():
+        for value in _sweep_values(dist):
+            _check_swept(comp, key, value)
+
+
+def _sweep_values(dist: object) -> list:
+    choices = getattr(dist, "choices", None)
+    if choices is not None:
+        return list(choices)
+    return [dist.low, dist.high]
+
+
+def _check_swept(comp: Composition, key: str, value: object) -> None:
+    group = key.lstrip("+")
+    if group in comp.choices:
+        if not any((d / group / f"{value}.yaml").is_file() for d in comp.search_dirs):
+            raise ConfigError(f"{key}: the sweep's option '{value}' is not in {group}/")
+        return
+    rule = config_schema.rule_for(comp.config_name, group, comp.defaults.get(group))
+    if group not in comp.defaults and rule is None:
+        raise ConfigError(f"hydra.sweeper.params: unknown key '{group}'"
+                          f"{config_check.did_you_mean(group, comp.defaults)}")
+    problem = rule.problem(value) if rule else None
+    if problem:
+        raise ConfigError(f"{group}: the sweep can give it {value}, but it must be {problem}")

@@ -1,0 +1,235 @@
+"""Compose a command line as Hydra will, before Hydra starts the job (and makes its run dir).
+
+`compose` returns the composed config with where each value came from (the YAML file or the
+command line), so that config_check can name the file of a bad value; a composition Hydra
+refuses (a key typo, an option that does not exist, an unparsable override, malformed YAML
+in a file the command uses) becomes one ConfigError line, with a "did you mean" from the
+keys and options the config has.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from capibara_exp.config_check import (
+    COMMAND_LINE,
+    Composition,
+    did_you_mean,
+    flatten,
+    group_dirs,
+)
+from capibara_exp.errors import ConfigError
+from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
+
+
+def search_dirs(extra: list[Path]) -> list[Path]:
+    """Where config files are looked up, in Hydra's order: `--config-dir`s, conf/, sweeps/."""
+    return [*(Path(d).absolute() for d in extra), CONF_DIR, SWEEPS_ROOT]
+
+
+def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
+            multirun: bool = False) -> Composition:
+    """The config Hydra will compose for this command line; ConfigError if it cannot."""
+    dirs = search_dirs(extra_dirs)
+    for d in dirs[: len(extra_dirs)]:
+        if not d.is_dir():
+            raise ConfigError(f"--config-dir {d}: no such directory")
+    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+    given = _with_search_path(overrides, dirs[: len(extra_dirs)])
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        try:
+            cfg = loader.load_configuration(config_name, given, mode, from_shell=True)
+        except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
+                yaml.YAMLError) as err:
+            raise ConfigError(_composition_error(err, config_name, dirs)) from None
+    choices = dict(cfg.hydra.runtime.choices)
+
+    def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
+        return _setters(config_name, choices, defaults, overrides, dirs)
+
+    return Composition(config_name, cfg, choices, {}, definitions(config_name, choices, dirs),
+                       dirs, trace)
+
+
+def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:
+    """What `--config-dir` adds, as an override of hydra.searchpath (which conf/config.yaml
+    sets to the sweeps' root: keep it)."""
+    if not extra:
+        return list(overrides)
+    paths = ",".join(f"file://{p}" for p in [SWEEPS_ROOT, *extra])
+    return [f"hydra.searchpath=[{paths}]", *overrides]
+
+
+def definitions(config_name: str, choices: dict[str, str | None],
+                dirs: list[Path]) -> dict[str, Any]:
+    """Dotted key -> its value in the file that defines it: the primary config's own keys,
+    and each chosen group option's (with the options it builds on: `defaults: [dense_tiny]`)."""
+    groups = {g for g in choices if not g.startswith("hydra")}
+    primary = _find(config_name, dirs)
+    data = {k: v for k, v in _yaml(primary).items() if k not in ("defaults", "hydra")} \
+        if primary else {}
+    out = {k: v for k, v in flatten(config_name, data).items() if k.split(".")[0] not in groups}
+    for group in sorted(groups):
+        if choices[group] is None or "/" in group:
+            continue
+        for file in _option_chain(group, choices[group], dirs):
+            data = {k: v for k, v in _yaml(file).items() if k not in ("defaults", "hydra")}
+            if "@package _global_" not in file.read_text():
+                data = {group: data}
+            out.update({k: v for k, v in flatten(config_name, data).items()
+                        if k.split(".")[0] == group})
+    return out
+
+
+def _option_chain(group: str, choice: str, dirs: list[Path],
+                  seen: tuple[str, ...] = ()) -> list[Path]:
+    """The files an option is made of, in merge order: the options of its own group that its
+    defaults list names, then itself (where `_self_` is, else last)."""
+    file = _find(f"{group}/{choice}", dirs)
+    if file is None or choice in seen:
+        return []
+    chain: list[Path] = []
+    for entry in _yaml(file).get("defaults") or []:
+        if entry == "_self_":
+            chain.append(file)
+        elif isinstance(entry, str) and "/" not in entry and ":" not in entry:
+            chain += _option_chain(group, entry, dirs, (*seen, choice))
+    return chain if file in chain else [*chain, file]
+
+
+def _yaml(path: Path) -> dict:
+    stat = path.stat()
+    return _load_yaml(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=512)
+def _load_yaml(path: str, mtime_ns: int, size: int) -> dict:
+    del mtime_ns, size  # the cache key: a changed file is read again
+    return yaml.safe_load(Path(path).read_text()) or {}
+
+
+def _setters(config_name: str, choices: dict[str, str | None], defaults: list,
+             overrides: list[str], dirs: list[Path]) -> dict[str, str]:
+    """Dotted key -> the file that set it last (the defaults list, file by file, in order),
+    or the command line."""
+    groups = {g for g in choices if not g.startswith("hydra")}
+    setters: dict[str, str] = {}
+    for item in defaults:
+        path = item.config_path
+        if not path or path.startswith("hydra/") or (item.package or "").startswith("hydra"):
+            continue
+        file = _find(path, dirs)
+        if file is None:
+            continue
+        data = {k: v for k, v in _yaml(file).items() if k not in ("defaults", "hydra")}
+        for part in reversed(item.package.split(".") if item.package else []):
+            data = {part: data}
+        for key in flatten(config_name, data):
+            setters[key] = str(file)
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.key_or_group not in groups:
+            setters[override.key_or_group] = COMMAND_LINE
+    return setters
+
+
+def _find(config_path: str, dirs: list[Path]) -> Path | None:
+    for root in dirs:
+        file = root / f"{config_path}.yaml"
+        if file.is_file():
+            return file
+    return None
+
+
+def known_keys(config_name: str, dirs: list[Path]) -> set[str]:
+    """Every key some file of the config defines: for suggestions when composition failed."""
+    keys: set[str] = set()
+    primary = _find(config_name, dirs)
+    if primary:
+        data = _yaml(primary)
+        keys |= set(flatten(config_name, {k: v for k, v in data.items()
+                                          if k not in ("defaults", "hydra")}))
+    if config_name != "config":  # merge.yaml and data_build.yaml choose no groups
+        return keys
+    for root in dirs:
+        for file in (f for d in group_dirs(root) for f in d.glob("*.yaml")):
+            group = file.parent.name
+            try:
+                data = dict(_yaml(file))
+            except yaml.YAMLError:
+                continue
+            if "@package _global_" not in file.read_text():
+                data = {group: data}
+            data.pop("defaults", None)
+            data = {k: v for k, v in data.items() if k == group}
+            keys |= set(flatten(config_name, data))
+    return keys
+
+
+def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> str:
+    """One line for what Hydra (or YAML) refused."""
+    if isinstance(err, yaml.YAMLError):
+        return yaml_problem(err)
+    message = str(err)
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        missing = err.missing_cfg_file
+        group, _, option = missing.rpartition("/")
+        options = list(err.options or [])
+        if options:
+            return (f"{group}={option}: no such option in {group}/ (choose from "
+                    f"{', '.join(options)}){did_you_mean(option, options)}")
+        groups = {d.name for root in dirs for d in group_dirs(root)}
+        hint = did_you_mean(group, groups) or " (groups: " + ", ".join(sorted(groups)) + ")"
+        return f"{group}={option}: no config group '{group}'{hint}"
+    if isinstance(err, OverrideParseException):
+        bad = getattr(err, "override", None) or ""
+        return f"cannot parse the override {bad!r}: {message.splitlines()[0]}".replace(
+            "cannot parse the override '': ", "cannot parse an override: ")
+    found = re.match(r"Could not override '([^']+)'", message)
+    if found:
+        key = found.group(1)
+        known = known_keys(config_name, dirs)
+        if "." not in key and config_name == "config":  # perhaps a group: sweeps=lr_wd
+            known |= {d.name for root in dirs for d in group_dirs(root)}
+        return (f"unknown key '{key}' (set by {COMMAND_LINE}): the config has no such key"
+                f"{did_you_mean(key, known)}")
+    found = re.match(r"Could not append to config\. An item is already at '([^']+)'", message)
+    if found:
+        return (f"'+{found.group(1)}=...' adds a key that exists: set it without the + "
+                f"({found.group(1)}=...)")
+    found = re.search(r"Could not (?:load|find) '([^']+)'", message)
+    if found:
+        group, _, option = found.group(1).rpartition("/")
+        return f"{group}={option}: no such config file {found.group(1)}.yaml"
+    cause = err.__cause__ or err.__context__
+    text = message.strip() or (str(cause).strip() if cause else "") or type(err).__name__
+    return text.splitlines()[0]
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """'FILE:LINE:COL: malformed YAML: problem' from a YAML error."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a YAML file"
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{where}: malformed YAML: {problem}"
+
+
+def plain(cfg: DictConfig, key: str) -> Any:
+    """The value at a dotted key, resolved, as plain Python (lists and dicts)."""
+    value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

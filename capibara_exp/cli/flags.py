@@ -1,0 +1,127 @@
+"""A console script's command line: Hydra's flags, its overrides, and T5X's gin flags.
+
+T5X users type `--gin_file=F`, `--gin.X=V`, `--gin_bindings=B` and `--gin_search_paths=D`;
+capibara-exp takes them with T5X's meaning (applied after the rendered config, in that
+order) as the config keys `gin_files`, `gin_bindings` and `gin_search_paths`, to which
+they append.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from capibara_exp.errors import ConfigError
+
+# Hydra's flags: those taking a value, those taking none, and those that only inform
+# (no config is checked for them).
+_VALUE_FLAGS = {"--config-path": "-cp", "--config-name": "-cn", "--config-dir": "-cd",
+                "--cfg": "-c", "--package": "-p", "--experimental-rerun": None}
+_BARE_FLAGS = {"--help": "-h", "--hydra-help": None, "--version": None, "--resolve": None,
+               "--run": "-r", "--multirun": "-m", "--shell-completion": "-sc", "--info": "-i"}
+_INFORMING = {"--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc",
+              "--info", "-i", "--experimental-rerun"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+T5X_FLAGS = ("--gin_file", "--gin_bindings", "--gin_search_paths", "--gin.")
+_OVERRIDE = re.compile(r"^[+~]{0,2}[\w.@/-]+=\S*$")  # key=value, as Hydra overrides are written
+
+
+@dataclasses.dataclass
+class CommandLine:
+    """What the shell needs to know of argv before Hydra reads it."""
+
+    flags: list[str]  # Hydra's flags, with their values, in order
+    overrides: list[str]  # everything else: Hydra overrides
+    gin_files: list[str] = dataclasses.field(default_factory=list)
+    gin_bindings: list[str] = dataclasses.field(default_factory=list)
+    gin_search_paths: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def config_dirs(self) -> list[Path]:
+        return [Path(v) for i, a in enumerate(self.flags)
+                for v in ([self.flags[i + 1]] if a in ("--config-dir", "-cd") else
+                          [a.split("=", 1)[1]] if a.startswith("--config-dir=") else [])]
+
+    @property
+    def multirun(self) -> bool:
+        return any(a in ("--multirun", "-m") for a in self.flags) or any(
+            o.replace(" ", "") == "hydra.mode=MULTIRUN" for o in self.overrides)
+
+    @property
+    def informing(self) -> bool:
+        """--help, --info and the like: Hydra answers them without running anything."""
+        return any(a.split("=")[0] in _INFORMING for a in self.flags)
+
+    @property
+    def shows_config(self) -> bool:
+        return any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in self.flags)
+
+    @property
+    def has_gin_flags(self) -> bool:
+        return bool(self.gin_files or self.gin_bindings or self.gin_search_paths)
+
+    def hydra_argv(self, extra_overrides: list[str] = ()) -> list[str]:
+        return [*self.flags, *self.overrides, *extra_overrides]
+
+
+def parse(argv: list[str]) -> CommandLine:
+    """Split argv; a flag neither Hydra nor T5X has is a ConfigError naming it."""
+    line = CommandLine([], [])
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if arg.startswith(T5X_FLAGS):
+            i += _t5x_flag(line, argv, i)
+            continue
+        if name in _VALUE_FLAGS or name in _VALUE_FLAGS.values():
+            takes = 1 if "=" in arg else 2
+            if takes == 2 and i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a value")
+            line.flags += argv[i:i + takes]
+            i += takes
+        elif name in _BARE_FLAGS or name in _BARE_FLAGS.values():
+            line.flags.append(arg)
+            if name in ("--info", "-i") and i + 1 < len(argv) and argv[i + 1] in _INFO_CHOICES:
+                line.flags.append(argv[i + 1])
+                i += 1
+            i += 1
+        elif arg.startswith("-") and not arg.startswith(("~", "+")) and "=" not in name:
+            raise ConfigError(f"unknown flag {arg}: Hydra's flags are {', '.join(_BARE_FLAGS)}, "
+                              f"{', '.join(_VALUE_FLAGS)}; T5X's --gin_file=F, --gin.X=V, "
+                              "--gin_bindings=B, --gin_search_paths=D")
+        else:
+            line.overrides.append(arg)
+            i += 1
+    return line
+
+
+def _t5x_flag(line: CommandLine, argv: list[str], i: int) -> int:
+    """Take one T5X flag at argv[i] into `line`; how many arguments it used."""
+    arg = argv[i]
+    if arg.startswith("--gin."):
+        name, eq, value = arg[len("--gin."):].partition("=")
+        if not eq or not name or not value.strip():
+            raise ConfigError(f"{arg}: T5X's --gin.NAME=VALUE binds NAME = VALUE (a string "
+                              "needs inner quotes: --gin.MODEL_DIR=\"'/tmp/run'\")")
+        line.gin_bindings.append(f"{name} = {value}")
+        return 1
+    name, eq, value = arg.partition("=")
+    used = 1
+    if not eq:  # `--gin_file F`: the next argument, unless it is a flag or a Hydra override
+        if i + 1 >= len(argv) or argv[i + 1].startswith("-") or _OVERRIDE.match(argv[i + 1]):
+            raise ConfigError(f"{name} needs a value ({name}=...)")
+        value, used = argv[i + 1], 2
+    if name == "--gin_file":
+        line.gin_files.append(value)
+    elif name == "--gin_bindings":
+        line.gin_bindings.extend(b for b in value.splitlines() if b.strip())
+    elif name == "--gin_search_paths":
+        line.gin_search_paths.extend(p for p in value.split(",") if p)
+    else:
+        raise ConfigError(f"unknown flag {name}: T5X's gin flags are --gin_file, --gin.NAME, "
+                          "--gin_bindings, --gin_search_paths")
+    if not value.strip():
+        raise ConfigError(f"{name} needs a value ({name}=...)")
+    return used

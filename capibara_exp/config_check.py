@@ -1,0 +1,283 @@
+"""Check a composed config before anything runs: unknown keys, missing values, types and
+ranges (config_schema), and the rules that tie keys together. Each failure is a ConfigError
+of one line naming the key, the file (or the command line) that set it, the value and
+what is allowed.
+
+Pure: the config and where its values came from (a Composition, which cli/compose.py builds
+with Hydra) in, an error or nothing out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from capibara_exp import config_schema
+from capibara_exp.errors import ConfigError
+from capibara_exp.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
+
+COMMAND_LINE = "the command line"
+
+
+@dataclasses.dataclass
+class Composition:
+    """A composed config (with its `hydra` node) and the provenance of its values."""
+
+    config_name: str
+    cfg: DictConfig
+    choices: dict[str, str | None]
+    setters: dict[str, str]  # dotted key -> the file (or the command line) that set it last
+    defaults: dict[str, Any]  # dotted key -> its value in the file that defines it
+    search_dirs: list[Path]
+    # Computes `setters` when a message first needs them (they cost another walk of the
+    # defaults list, which a config without mistakes never pays).
+    trace: Callable[[], dict[str, str]] | None = None
+
+    def setter(self, key: str) -> str:
+        """Who set `key` (or its nearest parent)."""
+        if self.trace is not None:
+            self.setters, self.trace = {**self.trace(), **self.setters}, None
+        parts = key.split(".")
+        for end in range(len(parts), 0, -1):
+            found = self.setters.get(".".join(parts[:end]))
+            if found:
+                return found
+        return str(self.primary)
+
+    @property
+    def primary(self) -> Path:
+        for root in self.search_dirs:
+            if (root / f"{self.config_name}.yaml").is_file():
+                return root / f"{self.config_name}.yaml"
+        return self.search_dirs[0] / f"{self.config_name}.yaml"
+
+    def option_file(self, group: str) -> str:
+        choice = self.choices.get(group)
+        for root in self.search_dirs:
+            if choice and (root / group / f"{choice}.yaml").is_file():
+                return str(root / group / f"{choice}.yaml")
+        return f"{group}/"
+
+
+def flatten(config_name: str, data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value, down to leaves; a mapping whose rule is a map is one leaf."""
+    out: dict[str, Any] = {}
+    for key, value in (data or {}).items():
+        name = f"{prefix}{key}"
+        rule = config_schema.RULES_BY_CONFIG.get(config_name, {}).get(name)
+        if isinstance(value, dict) and value and not (rule and rule.kind == "map"):
+            out.update(flatten(config_name, value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def did_you_mean(name: str, candidates: Any) -> str:
+    """"; did you mean 'x'?" for the closest candidate, or "". A dotted name is compared
+    with the keys of its own group first (model.emb_dm -> model.emb_dim)."""
+    candidates = sorted(set(candidates))
+    if "." in name:
+        group, last = name.rsplit(".", 1)
+        peers = {c.rsplit(".", 1)[1]: c for c in candidates if c.rsplit(".", 1)[0] == group}
+        close = difflib.get_close_matches(last, sorted(peers), n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean '{peers[close[0]]}'?"
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75 if "." in name else 0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def check(comp: Composition) -> None:
+    """Raise ConfigError (one line) for the first problem of the composed config."""
+    raw = OmegaConf.to_container(comp.cfg, resolve=False)
+    raw.pop("hydra", None)
+    keys = flatten(comp.config_name, raw)
+    _check_unknown(comp, keys)
+    _check_missing(comp, keys)
+    values = {key: _resolved(comp, key) for key in keys}
+    for key, value in values.items():
+        rule = config_schema.rule_for(comp.config_name, key, comp.defaults.get(key))
+        problem = rule.problem(value) if rule else None
+        if problem:
+            hint = did_you_mean(value, map(str, rule.choices)) if rule.choices and \
+                isinstance(value, str) else ""
+            raise ConfigError(f"{key}={_show(value)} (set by {comp.setter(key)}): expected "
+                              f"{problem}{hint}")
+        if key.rsplit(".", 1)[-1] == "template" and value and not (GIN_DIR / value).is_file():
+            raise ConfigError(f"{key}={value} (set by {comp.setter(key)}): no gin template "
+                              f"gin/{value}")
+    for rule_fn in CROSS_RULES.get(comp.config_name, ()):
+        found = rule_fn(values)
+        if found:
+            keys, message = found
+            keys = (keys,) if isinstance(keys, str) else keys
+            # name the key the command line set, if one was: that is what the user changed
+            key = next((k for k in keys if comp.setter(k) == COMMAND_LINE), keys[0])
+            raise ConfigError(f"{key}={_show(values.get(key))} (set by {comp.setter(key)}): "
+                              f"{message}")
+
+
+def _check_unknown(comp: Composition, keys: dict[str, Any]) -> None:
+    groups = {g.split("/")[0] for g in comp.choices}
+    for key in keys:
+        if key in comp.defaults or key.split(".")[0] in ("hydra",):
+            continue
+        top = key.split(".")[0]
+        known = [k for k in comp.defaults if k.split(".")[0] == top] if top in groups else \
+            [k for k in comp.defaults if k.split(".")[0] not in groups] + _group_names(comp)
+        hint = did_you_mean(key, known)
+        if top in groups:
+            raise ConfigError(f"unknown key '{key}': {comp.option_file(top)} has no such key "
+                              f"(set by {comp.setter(key)}){hint}")
+        raise ConfigError(f"unknown key '{key}' at the root: neither {comp.primary} nor a "
+                          f"config group has it (set by {comp.setter(key)}){hint}")
+
+
+def _group_names(comp: Composition) -> list[str]:
+    """Every config group on the search path (a root key may be a misspelt one)."""
+    return sorted({d.name for root in comp.search_dirs for d in group_dirs(root)})
+
+
+def group_dirs(root: Path) -> list[Path]:
+    """The config groups' directories under a search-path entry (the sweeps' root holds the
+    group `sweeps` beside the rest of a checkout)."""
+    if root == SWEEPS_ROOT and root != CONF_DIR:
+        return [root / "sweeps"] if (root / "sweeps").is_dir() else []
+    return [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))] \
+        if root.is_dir() else []
+
+
+def _check_missing(comp: Composition, keys: dict[str, Any]) -> None:
+    for key in keys:
+        if OmegaConf.is_missing(_parent(comp.cfg, key), key.rsplit(".", 1)[-1]):
+            raise ConfigError(f"missing mandatory value (???) for: {key} (from "
+                              f"{comp.setter(key)}); give it on the command line: {key}=...")
+
+
+def _parent(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key.rsplit(".", 1)[0]) if "." in key else cfg
+
+
+def _resolved(comp: Composition, key: str) -> Any:
+    try:
+        value = OmegaConf.select(comp.cfg, key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{key} (set by {comp.setter(key)}): "
+                          f"{str(err).splitlines()[0]}") from None
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    return str(value).replace("'", "") if isinstance(value, list | dict) else str(value)
+
+
+Found = tuple[str | tuple[str, ...], str] | None
+
+
+def _periods(v: dict[str, Any]) -> Found:
+    """T5X evaluates and checkpoints at the end of an 'epoch' of the shorter period."""
+    eval_p, save_p = v.get("trainer.eval_period"), v.get("checkpoint.checkpoint_period")
+    if not (isinstance(eval_p, int) and isinstance(save_p, int)):
+        return None
+    if max(eval_p, save_p) % min(eval_p, save_p):
+        return (("trainer.eval_period", "checkpoint.checkpoint_period"),
+                f"trainer.eval_period={eval_p} and checkpoint.checkpoint_period={save_p}: the "
+                "longer must be a multiple of the shorter (T5X evaluates and checkpoints at "
+                "the end of the shorter period)")
+    return None
+
+
+def _microbatches(v: dict[str, Any]) -> Found:
+    mb, batch = v.get("trainer.num_microbatches"), v.get("data.batch_size")
+    if isinstance(mb, int) and isinstance(batch, int) and batch % mb:
+        return (("trainer.num_microbatches", "data.batch_size"),
+                f"data.batch_size={batch} must divide by trainer.num_microbatches={mb}")
+    return None
+
+
+def _experts(v: dict[str, Any]) -> Found:
+    experts, k = v.get("model.num_experts"), v.get("model.num_selected_experts")
+    if isinstance(experts, int) and isinstance(k, int) and k > experts:
+        return "model.num_selected_experts", f"must be <= model.num_experts={experts}"
+    parts = v.get("partitioning.num_expert_partitions")
+    if isinstance(experts, int) and isinstance(parts, int) and experts % parts:
+        return ("partitioning.num_expert_partitions",
+                f"must divide model.num_experts={experts} (experts split over the expert axis)")
+    return None
+
+
+def _model_parallel(v: dict[str, Any]) -> Found:
+    """Heads, MLP and vocabulary are split over the `model` mesh axis."""
+    parts = v.get("partitioning.num_partitions")
+    if not isinstance(parts, int) or parts <= 1:
+        return None
+    for key in ("model.num_heads", "model.mlp_dim", "model.vocab_size"):
+        size = v.get(key)
+        if isinstance(size, int) and size % parts:
+            return ("partitioning.num_partitions",
+                    f"must divide {key}={size} (split over the model axis)")
+    return None
+
+
+def _rope(v: dict[str, Any]) -> Found:
+    head_dim = v.get("model.head_dim")
+    if v.get("model.position_embedding") == "rope" and isinstance(head_dim, int) and head_dim % 2:
+        return "model.head_dim", "must be even with position_embedding=rope (rotated in pairs)"
+    return None
+
+
+def _schedule(v: dict[str, Any]) -> Found:
+    factors = v.get("schedule.lr_factors")
+    if not isinstance(factors, str):
+        return None
+    unknown = [f.strip() for f in factors.split("*")
+               if f.strip() not in config_schema.SCHEDULE_FACTORS]
+    if unknown:
+        return "schedule.lr_factors", (f"unknown factor '{unknown[0]}': factors joined by * from "
+                                       f"{', '.join(config_schema.SCHEDULE_FACTORS)}")
+    return None
+
+
+def _consensus(v: dict[str, Any]) -> Found:
+    k, keep = v.get("consensus.merge_last_k"), v.get("checkpoint.checkpoints_to_keep")
+    if isinstance(k, int) and isinstance(keep, int) and k > keep:
+        return ("consensus.merge_last_k", "needs at least that many checkpoints kept "
+                f"(checkpoint.checkpoints_to_keep={keep})")
+    return None
+
+
+def _curriculum(v: dict[str, Any]) -> Found:
+    stages = v.get("curriculum.curriculum_stages")
+    if not isinstance(stages, list):
+        return None
+    for i, stage in enumerate(stages):
+        steps = stage.get("steps")
+        if not isinstance(stage.get("mixture_or_task_name"), str) or not (
+                isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            return ("curriculum.curriculum_stages",
+                    f"stage {i} needs mixture_or_task_name (a string) and steps (>= 1)")
+    total, steps = sum(s["steps"] for s in stages), v.get("trainer.train_steps")
+    if isinstance(steps, int) and total != steps:
+        return ("curriculum.curriculum_stages",
+                f"stages add up to {total} steps, trainer.train_steps is {steps}")
+    return None
+
+
+def _merge_weights(v: dict[str, Any]) -> Found:
+    if v.get("method") == "weighted" and v.get("weights") is None:
+        return "weights", "method=weighted needs one weight per candidate"
+    return None
+
+
+CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
+    "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _schedule,
+               _consensus, _curriculum),
+    "merge": (_merge_weights,),
+}

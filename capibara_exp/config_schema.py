@@ -1,0 +1,274 @@
+"""What a value of the config may be: types, ranges and choices, checked at compose time.
+
+A key's type comes from its YAML file: the value a group's file gives it (an int makes it
+an integer key, a list a list key). RULES adds what YAML cannot say: a range, a set of
+choices, or the type of a key whose default is null. So a new key is added in its YAML
+file, plus one RULES line when it has a range or choices or a null default (a test fails
+for a key that has neither a typed default nor a rule). Cross-key rules (CROSS_RULES) say
+what no single key can (a batch that divides by the microbatches, periods that divide).
+
+Pure: only the standard library and OmegaConf values, so it runs before any heavy import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from capibara_exp.tuning.topology import TOPOLOGIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A value's type and range. `null`: None is allowed too."""
+
+    kind: str  # int | float | str | bool | list | map | any
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] = ()
+    item: Rule | None = None  # list items / map values
+    null: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        """None if the value is allowed, else what is allowed."""
+        if value is None:
+            return None if self.null else self.allowed()
+        if not _of_kind(self.kind, value):
+            return self.allowed()
+        if self.choices and value not in self.choices:
+            return self.allowed()
+        bounds = ((self.ge, lambda v, b: v >= b), (self.gt, lambda v, b: v > b),
+                  (self.le, lambda v, b: v <= b), (self.lt, lambda v, b: v < b))
+        if self.kind in ("int", "float") and not all(
+                b is None or ok(value, b) for b, ok in bounds):
+            return self.allowed()
+        if self.item and self.kind == "list" and any(self.item.problem(v) for v in value):
+            return self.allowed()
+        if self.item and self.kind == "map" and any(self.item.problem(v) for v in value.values()):
+            return self.allowed()
+        return None
+
+    def allowed(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(str(c) for c in self.choices)
+        else:
+            text = {"int": "an integer", "float": "a number", "str": "a string",
+                    "bool": "true or false", "list": "a list", "map": "a mapping",
+                    "any": "any value"}[self.kind]
+            limits = [f"{op} {_num(b)}" for op, b in
+                      ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                      if b is not None]
+            text += (" " + " and ".join(limits)) if limits else ""
+            if self.item and self.item.kind != "any":
+                text += f" of {self.item.allowed()}" if self.kind == "list" else \
+                    f" to {self.item.allowed()}"
+        return text + (" (or null)" if self.null else "")
+
+
+def _num(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+def _of_kind(kind: str, value: Any) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool) and \
+            math.isfinite(value)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "list":
+        return isinstance(value, list | tuple)
+    if kind == "map":
+        return isinstance(value, Mapping)
+    return True
+
+
+def Int(ge: float | None = None, *, gt: float | None = None, le: float | None = None,  # noqa: N802
+        null: bool = False) -> Rule:
+    return Rule("int", ge=ge, gt=gt, le=le, null=null)
+
+
+def Float(ge: float | None = None, *, gt: float | None = None, le: float | None = None,  # noqa: N802
+          lt: float | None = None, null: bool = False) -> Rule:
+    return Rule("float", ge=ge, gt=gt, le=le, lt=lt, null=null)
+
+
+def Choice(*choices: Any, null: bool = False) -> Rule:  # noqa: N802
+    kinds = {type(c).__name__ for c in choices}
+    return Rule(kinds.pop() if len(kinds) == 1 else "any", choices=choices, null=null)
+
+
+def ListOf(item: Rule, null: bool = False) -> Rule:  # noqa: N802
+    return Rule("list", item=item, null=null)
+
+
+def MapOf(value: Rule, null: bool = False) -> Rule:  # noqa: N802
+    return Rule("map", item=value, null=null)
+
+
+def infer(value: Any) -> Rule | None:
+    """The rule a YAML default implies; None when it implies none (null, ???, ${...})."""
+    if value is None or (isinstance(value, str) and (value == "???" or "${" in value)):
+        return None
+    for kind in ("bool", "int", "float", "str", "list", "map"):
+        if _of_kind(kind, value):
+            return Rule(kind, item=Rule("any") if kind in ("list", "map") else None)
+    return Rule("any")
+
+
+POSITIVE = Int(1)
+RATE = Float(0.0, lt=1.0)  # dropout-like rates
+SCHEDULE_FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay",
+                    "decay_every", "cosine_decay", "linear_decay")
+
+# capibara-exp (conf/config.yaml and its groups). Keys are dotted paths; a map value's own
+# keys are free (task_feature_lengths: {targets: 128}).
+RULES: dict[str, Rule] = {
+    "name": Rule("str"),
+    "model_dir": Rule("str", null=True),
+    "data_dir": Rule("str"),
+    "random_seed": Int(0, null=True),
+    "topology": Choice("cpu", *TOPOLOGIES),
+    "verbose": Rule("bool"),
+    "gin_bindings": ListOf(Rule("str")),
+    "gin_files": ListOf(Rule("str")),
+    "gin_search_paths": ListOf(Rule("str")),
+    "compilation_cache_dir": Rule("str", null=True),
+    "sweep_trial": MapOf(Rule("any"), null=True),
+    "distributed.mode": Choice("single", "auto", "explicit"),
+    "distributed.coordinator_address": Rule("str", null=True),
+    "distributed.num_processes": Int(1, null=True),
+    "distributed.process_id": Int(0, null=True),
+    "distributed.local_device_ids": ListOf(Int(0), null=True),
+    # model
+    "model.vocab_size": POSITIVE, "model.emb_dim": POSITIVE, "model.num_heads": POSITIVE,
+    "model.head_dim": POSITIVE, "model.num_layers": POSITIVE, "model.mlp_dim": POSITIVE,
+    "model.mlp_activations": ListOf(Choice("gelu", "relu", "silu", "linear")),
+    "model.dropout_rate": RATE,
+    "model.position_embedding": Choice("relative", "rope"),
+    "model.dtype": Choice("float32", "bfloat16"),
+    "model.remat_policy": Choice("none", "full", "dots"),
+    "model.z_loss": Float(0.0), "model.label_smoothing": RATE,
+    "model.num_experts": POSITIVE, "model.num_selected_experts": POSITIVE,
+    "model.capacity_factor": Float(gt=0.0), "model.eval_capacity_factor": Float(gt=0.0),
+    "model.min_expert_capacity": Int(0), "model.moe_layer_interval": POSITIVE,
+    "model.router_jitter_noise": RATE, "model.expert_dropout_rate": RATE,
+    "model.aux_loss_factor": Float(0.0), "model.router_z_loss_factor": Float(0.0),
+    "model.loss_normalizing_factor": Float(gt=0.0, null=True),
+    # data
+    "data.task_feature_lengths": MapOf(POSITIVE),
+    "data.mixture_rates": MapOf(Float(gt=0.0)),
+    "data.batch_size": POSITIVE,
+    "data.mixture_or_task_module": Rule("str", null=True),
+    "data.packing": Choice("first_fit", "next_fit", "seqio"),
+    # optimizer
+    "optimizer.grad_clip_norm": Float(gt=0.0), "optimizer.adam_b1": Float(0.0, lt=1.0),
+    "optimizer.adam_b2": Float(0.0, lt=1.0), "optimizer.adam_eps": Float(gt=0.0),
+    "optimizer.weight_decay": Float(0.0),
+    # schedule
+    "schedule.base_learning_rate": Float(gt=0.0, le=1.0), "schedule.warmup_steps": Int(0),
+    "schedule.decay_factor": Float(gt=0.0, le=1.0), "schedule.steps_per_cycle": POSITIVE,
+    # trainer
+    "trainer.train_steps": POSITIVE, "trainer.eval_steps": Int(0), "trainer.eval_period": POSITIVE,
+    "trainer.stats_period": POSITIVE, "trainer.num_microbatches": Int(1, null=True),
+    # partitioning
+    "partitioning.num_partitions": POSITIVE, "partitioning.num_expert_partitions": POSITIVE,
+    "partitioning.model_parallel_submesh": ListOf(POSITIVE, null=True),
+    "partitioning.parameter_partitioning_dims": Choice(1, 2),
+    # checkpoint
+    "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
+    "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),
+    # engine
+    "engine.name": Choice("local", "t5x", "tpu_vm"), "engine.runtime": Choice("t5x", "local"),
+    "engine.python": Rule("str", null=True), "engine.extra_flags": ListOf(Rule("str")),
+    "engine.tpu_name": Rule("str"), "engine.zone": Rule("str"), "engine.workdir": Rule("str"),
+    "engine.project": Rule("str", null=True), "engine.model_dir": Rule("str"),
+    # optional groups
+    "early_stopping.early_stopping_mode": Choice("min", "max"),
+    "early_stopping.early_stopping_patience": POSITIVE,
+    "early_stopping.early_stopping_atol": Float(0.0),
+    "early_stopping.early_stopping_rtol": Float(0.0),
+    "ema.ema_decay": Float(gt=0.0, lt=1.0),
+    "nan_guard.max_consecutive_skips": POSITIVE,
+    "curriculum.curriculum_stages": ListOf(MapOf(Rule("any"))),
+    "router_supervision.router_supervision_factor": Float(0.0),
+    "lora.lora_base_checkpoint": Rule("str"), "lora.lora_rank": POSITIVE,
+    "lora.lora_alpha": Float(gt=0.0), "lora.lora_dropout": RATE,
+    "lora.lora_target_modules": ListOf(Rule("str")),
+    "consensus.template": Rule("str", null=True),
+    "consensus.merge_last_k": POSITIVE, "consensus.merge_num_byzantine": Int(0),
+    "consensus.merge_min_pass_fraction": Float(0.0, le=1.0),
+    "consensus.merge_max_val_loss_ratio": Float(gt=0.0, null=True),
+    "consensus.merge_report_steps": Int(0, null=True),
+    "tune_mesh.search": Choice("tpe", "random", "exhaustive"),
+    "tune_mesh.n_trials": POSITIVE, "tune_mesh.max_compiles": Int(1, null=True),
+    "tune_mesh.hbm_margin": Float(0.0, lt=1.0),
+    "tune_mesh.model_partitions": ListOf(POSITIVE, null=True),
+    "tune_mesh.expert_partitions": ListOf(POSITIVE, null=True),
+    "tune_mesh.num_microbatches": ListOf(POSITIVE),
+    "tune_mesh.remat_policies": ListOf(Choice("none", "dots", "full")),
+    "tune_mesh.fsdp": ListOf(Rule("bool")),
+    "tune_mesh.per_chip_batch": ListOf(POSITIVE, null=True),
+    "tune_mesh.measure_steps": POSITIVE, "tune_mesh.replay_seeds": POSITIVE,
+    "tune_mesh.partitioning_name": Rule("str", null=True),
+    "tune_mesh.conf_dir": Rule("str", null=True),
+}
+
+# capibara-exp-merge (conf/merge.yaml) and capibara-exp-data (conf/data_build.yaml).
+MERGE_RULES: dict[str, Rule] = {
+    "runs": Rule("any"), "out": Rule("str"), "last_k": Int(1, null=True),
+    "weights": ListOf(Float(0.0), null=True), "num_byzantine": Int(0),
+    "num_selected": Int(1, null=True), "base": Rule("str", null=True),
+    "scale": Float(), "density": Float(gt=0.0, le=1.0), "learn_steps": POSITIVE,
+    "learn_rate": Float(gt=0.0), "eval_config": Rule("str", null=True),
+    "eval_batches": Int(0, null=True), "report_batches": Int(0, null=True),
+    "gate.max_val_loss": Float(null=True), "gate.max_val_loss_ratio": Float(gt=0.0, null=True),
+    "gate.max_distance_ratio": Float(gt=0.0, null=True),
+    "gate.min_pass_fraction": Float(0.0, le=1.0),
+    "fedavg.num_clients": POSITIVE, "fedavg.rounds": POSITIVE, "fedavg.local_steps": POSITIVE,
+    "fedavg.clip_norm": Float(gt=0.0, null=True), "fedavg.noise_multiplier": Float(0.0),
+    "fedavg.target_delta": Float(gt=0.0, lt=1.0), "fedavg.seed": Int(0),
+}
+DATA_BUILD_RULES: dict[str, Rule] = {
+    "data_dir": Rule("str"),
+    "collect.max_per_source": Int(1, null=True), "collect.cell_timeout_s": Float(gt=0.0),
+    "collect.memory_mb": POSITIVE, "max_line_bytes": POSITIVE,
+    "filters.min_quality": Float(0.0), "filters.min_code_chars": Int(0),
+    "filters.max_code_chars": POSITIVE,
+    "playbooks.min_success_rate": Float(0.0, le=1.0), "playbooks.top_k_per_domain": POSITIVE,
+    "splits.validation_percent": Int(0, le=100), "splits.test_percent": Int(0, le=100),
+    "secret_scrubbing.min_recall": Float(0.0, le=1.0),
+}
+RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUILD_RULES}
+
+
+def merge_method_rule() -> Rule:
+    """consensus.merge_method / merge's `method`: the names consensus.merge registers (JAX is
+    imported for them, so only when a merge is configured)."""
+    from capibara_exp.consensus.merge import METHODS
+
+    return Choice(*METHODS)
+
+
+LAZY_RULES: dict[str, dict[str, Callable[[], Rule]]] = {
+    "config": {"consensus.merge_method": merge_method_rule},
+    "merge": {"method": lambda: Choice(*merge_method_rule().choices, "fedavg")},
+}
+
+
+def rule_for(config_name: str, key: str, default: Any) -> Rule | None:
+    """The rule of `key`: RULES' entry, else what its YAML default implies."""
+    lazy = LAZY_RULES.get(config_name, {}).get(key)
+    if lazy:
+        return lazy()
+    table = RULES_BY_CONFIG.get(config_name, {})
+    if key in table:
+        return table[key]
+    return infer(default)

@@ -1,0 +1,103 @@
+"""What a capibara-exp process sets up before JAX, TensorFlow or absl load, and its log levels.
+
+Entry points call `prepare` first (the console scripts' `main`, `python -m
+capibara_exp.runtime`); importing capibara_exp itself changes nothing. Quiet by default:
+the libraries' notices on a CPU machine are turned off where they start (environment and
+log levels read at import), and `verbose=True` leaves them all on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+
+# Python loggers of the libraries underneath: absl (seqio's and orbax's messages) and JAX's
+# backend lookup ("Unable to initialize backend 'tpu'").
+QUIET_LOGGERS = ("absl", "jax._src.xla_bridge")
+# Native INFO lines TensorFlow's shared libraries print while they load (static
+# initialisers, before any log level applies), with absl's preamble to them.
+_LOAD_NOTICE = re.compile(r"^(I\d{4} \d\d:\d\d:[\d.]+ +\d+ \S+:\d+\] |WARNING: All log messages "
+                          r"before absl::InitializeLog\(\) is called are written to STDERR)")
+
+
+def prepare(verbose: bool = False) -> None:
+    """Platform choice and native log levels, before any library reads them."""
+    select_platform()
+    # TensorFlow only reads data here (JAX owns the accelerators): no GPU probing (whose
+    # failed cuInit is an error line on every CPU machine), and no oneDNN kernels (their
+    # notice warns of float round-off; the input pipeline's ops move integers). Set whether
+    # or not verbose, so that verbosity never changes what runs.
+    os.environ.setdefault("TF_ENABLED_DEVICE_TYPES", "CPU")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    if not verbose:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ info and warnings
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+def select_platform() -> None:
+    """With libtpu installed (for ahead-of-time compiles) but no TPU attached, JAX would probe
+    for one at start-up: about a second and libtpu's error lines on every run. Pick the
+    platforms JAX starts with unless the user did; a TPU VM (TPU device files) is untouched,
+    and so is a machine with a GPU plugin, where JAX's own choice stays."""
+    if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME"):
+        return
+    if importlib.util.find_spec("libtpu") is None:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
+                                                 "jax_rocm60_plugin")):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def set_log_levels(verbose: bool) -> None:
+    """Library loggers at ERROR unless verbose (then INFO): seqio's advice on uncached
+    tasks, orbax's file-by-file INFO lines, JAX's backend lookup."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+def import_tensorflow(verbose: bool = False) -> None:
+    """Import TensorFlow (seqio's dependency) without the INFO lines its shared libraries
+    print while loading, which no log level reaches; any other line passes through."""
+    if verbose or "tensorflow" in sys.modules:
+        import tensorflow  # noqa: F401
+
+        return
+    with _native_load_notices_dropped():
+        import tensorflow  # noqa: F401
+
+
+@contextlib.contextmanager
+def _native_load_notices_dropped() -> Iterator[None]:
+    """Route file descriptor 2 through a pipe while the block runs, passing on every line but
+    the load notices (as they come, so nothing is lost if the process dies)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def relay() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for line in pipe:
+                if not _LOAD_NOTICE.match(line.decode(errors="replace")):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=relay, name="capibara-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the relay reads to its end
+        thread.join(timeout=5)
+        os.close(saved)

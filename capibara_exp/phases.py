@@ -1,0 +1,91 @@
+"""Progress for the phases of a run that last more than a few seconds (building data, XLA
+compiles, restoring a checkpoint), so a long wait is never silent.
+
+A phase says nothing if it ends within SHOW_AFTER_S; past that it prints what it is doing,
+then the elapsed time (rewritten in place every second on a terminal, a new line every
+NOTE_EVERY_S otherwise), and how long it took when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+SHOW_AFTER_S = 3.0
+NOTE_EVERY_S = 15.0
+PROG = "capibara-exp"
+
+
+class _Ticker:
+    def __init__(self, what: str, stream: TextIO):
+        self.what, self.stream = what, stream
+        self.t0 = time.perf_counter()
+        self.done = threading.Event()
+        self.shown = False
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.thread = threading.Thread(target=self._run, name="capibara-phase", daemon=True)
+        self.thread.start()
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _write(self, text: str, end: str) -> None:
+        self.stream.write(text + end)
+        self.stream.flush()
+
+    def _run(self) -> None:
+        if self.done.wait(SHOW_AFTER_S):
+            return
+        self.shown = True
+        line = f"{PROG}: {self.what} ..."
+        self._write(line, "" if self.tty else "\n")
+        while not self.done.wait(1.0 if self.tty else NOTE_EVERY_S):
+            if self.tty:
+                self._write(f"\r{line} {self._elapsed():.0f} s", "")
+            else:
+                self._write(f"{line} {self._elapsed():.0f} s", "\n")
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.shown:
+            self._write(f"{chr(13) if self.tty else ''}{PROG}: {self.what}: "
+                        f"{self._elapsed():.1f} s", "\n")
+
+
+@contextlib.contextmanager
+def phase(what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """Show `what` while the block runs, if it runs longer than SHOW_AFTER_S."""
+    ticker = _Ticker(what, stream or sys.stderr)
+    try:
+        yield
+    finally:
+        ticker.stop()
+
+
+_compiles: dict[str, _Ticker] = {}
+_listening = False
+
+
+def show_compiles(stream: TextIO | None = None) -> None:
+    """Show XLA compiles as phases, from JAX's compile events: lowering ends, the backend
+    compile starts; the backend compile's duration event ends it."""
+    global _listening
+    if _listening:
+        return
+    from jax import monitoring
+
+    def on_event(event: str, duration: float, **kwargs: object) -> None:
+        del duration
+        name = str(kwargs.get("fun_name", "a program"))
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            _compiles[name] = _Ticker(f"compiling {name}", stream or sys.stderr)
+        elif event == "/jax/core/compile/backend_compile_duration" and name in _compiles:
+            _compiles.pop(name).stop()
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    _listening = True

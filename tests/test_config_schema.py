@@ -1,0 +1,87 @@
+"""The compose-time schema against the shipped YAML: every key typed, every rule used, every
+shipped value and experiment allowed, and each rule's bounds exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from capibara_exp import config_schema
+from capibara_exp.cli import checks, flags
+from capibara_exp.cli.common import register_resolvers
+from capibara_exp.config_check import flatten
+from capibara_exp.paths import CONF_DIR
+from tests.conftest import EXPERIMENTS
+
+CONFIG_ROOTS = {"config.yaml": "config", "merge.yaml": "merge", "data_build.yaml": "data_build"}
+
+
+def shipped_keys() -> dict[tuple[str, str], tuple[object, Path]]:
+    """(config name, dotted key) -> (default, file) for every key a shipped file defines."""
+    out = {}
+    for path in sorted(CONF_DIR.rglob("*.yaml")):
+        rel = path.relative_to(CONF_DIR)
+        if rel.parts[0] in ("hydra", "experiment", "debug") or rel.name.startswith("_"):
+            continue
+        data = yaml.safe_load(path.read_text()) or {}
+        data.pop("defaults", None)
+        data.pop("hydra", None)
+        name = CONFIG_ROOTS.get(str(rel), "config")
+        if len(rel.parts) > 1 and "@package _global_" not in path.read_text():
+            data = {rel.parts[0]: data}
+        if len(rel.parts) > 1:  # a group's file defines its group's keys only
+            data = {k: v for k, v in data.items() if k == rel.parts[0]}
+        for key, value in flatten(name, data).items():
+            out[(name, key)] = (value, path)
+    return out
+
+
+def test_every_shipped_key_has_a_type() -> None:
+    untyped = [f"{key} ({path})" for (name, key), (value, path) in shipped_keys().items()
+               if config_schema.rule_for(name, key, value) is None]
+    assert not untyped, ("keys whose default is null, ??? or an interpolation need a RULES "
+                         f"entry in capibara_exp/config_schema.py: {untyped}")
+
+
+def test_every_rule_names_a_shipped_key() -> None:
+    keys = {(name, key) for name, key in shipped_keys()}
+    added_by_code = {"sweep_trial"}  # set by the sweeper on its trials
+    stale = [f"{name}:{key}" for name, table in config_schema.RULES_BY_CONFIG.items()
+             for key in table if (name, key) not in keys and key not in added_by_code]
+    assert not stale, f"rules for keys no YAML file has: {stale}"
+
+
+def test_every_shipped_default_satisfies_its_rule() -> None:
+    bad = []
+    for (name, key), (value, path) in shipped_keys().items():
+        rule = config_schema.rule_for(name, key, value)
+        if rule and not (isinstance(value, str) and ("${" in value or value == "???")):
+            problem = rule.problem(value)
+            if problem:
+                bad.append(f"{key}={value} in {path}: expected {problem}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("experiment", [None, *EXPERIMENTS])
+def test_every_shipped_experiment_passes_the_checks(experiment: str | None) -> None:
+    register_resolvers()
+    args = [f"experiment={experiment}"] if experiment else []
+    line = flags.parse([*args, "model_dir=/tmp/x"])
+    checks.compose_checked(line, "config")  # raises on any problem
+
+
+@pytest.mark.parametrize("rule, good, bad", [
+    (config_schema.Int(1), [1, 10**9], [0, -1, 1.0, True, "1", None]),
+    (config_schema.Float(gt=0.0, le=1.0), [1e-9, 0.5, 1, 1.0], [0, 0.0, 1.0001, float("nan"),
+                                                                 float("inf"), "0.1", False]),
+    (config_schema.Float(0.0, lt=1.0), [0, 0.999], [1.0, -1e-12]),
+    (config_schema.Int(0, null=True), [None, 0], [-1]),
+    (config_schema.Choice("a", "b"), ["a"], ["c", None, 1]),
+    (config_schema.ListOf(config_schema.Int(1)), [[], [1, 2]], [[0], "1", [1.5]]),
+    (config_schema.MapOf(config_schema.Int(1)), [{"targets": 8}], [{"targets": 0}, [8]]),
+])
+def test_rules_hold_their_bounds_exactly(rule, good, bad) -> None:
+    assert [v for v in good if rule.problem(v)] == []
+    assert [v for v in bad if rule.problem(v) is None] == []
