@@ -241,7 +241,7 @@ SCRIPTS = {
     # script: (success, user error, the library function a failure is injected into)
     "main": (["--cfg", "job"], ["trainer.train_steps=0"], "capibara_exp.experiment:run"),
     "data": (["--cfg", "job"], ["splits.validation_percent=200"],
-             "capibara_exp.data.build:ensure_built"),
+             "capibara_exp.data.e2b.build:ensure_built"),
     "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
     "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
     "plot": (["RUN"], ["EMPTY"], "capibara_exp.plots:render"),
