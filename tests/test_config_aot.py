@@ -9,6 +9,7 @@ import sys
 import jax
 import pytest
 
+from capibara_exp import topologies
 from capibara_exp.tuning import aot, topology
 from capibara_exp.tuning.measure import local_chip
 from tests.conftest import EXPERIMENTS, compose_config
@@ -28,7 +29,7 @@ def test_experiment_compiles_for_its_topology(name):
                         f"published for Linux x86_64 only (this is {sys.platform} "
                         f"{platform.machine()})")
         assert topology.libtpu_installed(), topology.INSTALL_HINT
-        target = topology.get(cfg.topology)
+        target = topologies.get(cfg.topology)
         devices, chip = topology.devices(target), target.chip
     compiled = aot.compile_step(cfg, devices, chip, hbm_margin=0.05)
     assert compiled.feasible, compiled.reason

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from capibara_exp import topologies
 from capibara_exp.tuning import estimate, hlo, search, space, topology
 
 LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
@@ -25,7 +26,7 @@ needs_libtpu = pytest.mark.skipif(
 
 def tpu_devices(name: str = "v5e-4") -> list:
     assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
-    return topology.devices(topology.get(name))
+    return topology.devices(topologies.get(name))
 
 
 def test_matmul_flops_and_loop_trip_counts_on_cpu():
@@ -86,7 +87,7 @@ def test_tpu_einsums_and_collectives_are_counted():
     assert profile.flops == want
     reduces = [c for c in profile.collectives if c.opcode == "all-reduce"]
     assert reduces and all(c.group_size in (2, 4) for c in reduces)
-    chip = topology.V5E
+    chip = topologies.V5E
     seconds = estimate.collective_seconds(reduces[0], chip)
     ring = 2 * chip.link_bytes_per_s
     g = reduces[0].group_size
@@ -95,7 +96,7 @@ def test_tpu_einsums_and_collectives_are_counted():
 
 
 def test_step_estimate_is_a_per_op_roofline_plus_collectives():
-    chip = topology.Chip("test", peak_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
+    chip = topologies.Chip("test", peak_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
                          ici_bytes_per_s=40.0, ici_ports=2)
     profile = hlo.StepProfile(
         flops=0, hbm_bytes=0,
@@ -208,12 +209,12 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     first = next(iter(cache.results.values()))
     want = dict(first.record)
     first.record.update(profile_version=0, est_step_s=-1.0)
-    assert plan.reprofile(cache, tmp_path / "plan", 4, topology.V5E) == 1
+    assert plan.reprofile(cache, tmp_path / "plan", 4, topologies.V5E) == 1
     assert first.record == want
     # Without its HLO, an older profiler's result is dropped, to be compiled again.
     first.record.update(profile_version=0)
     (tmp_path / "plan" / first.record["hlo_file"]).unlink()
-    assert plan.reprofile(cache, tmp_path / "plan", 4, topology.V5E) == 0
+    assert plan.reprofile(cache, tmp_path / "plan", 4, topologies.V5E) == 0
     assert first.candidate not in search.Cache(tmp_path / "plan" / plan.CACHE).results
     assert (tmp_path / "plan" / "mesh_report.png").stat().st_size > 10_000
     assert "| mesh data x expert x model |" in (tmp_path / "plan" / "mesh_report.md").read_text()

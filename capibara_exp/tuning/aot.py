@@ -20,9 +20,9 @@ from omegaconf import DictConfig
 from capibara_exp import gin_bridge
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
+from capibara_exp.topologies import Chip
 from capibara_exp.tuning import hlo
 from capibara_exp.tuning.estimate import estimate
-from capibara_exp.tuning.topology import Chip
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
 # memory on HBM, the total memory required for HLO temporaries (27.11G) exceeds available

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from capibara_exp.topologies import Chip
 from capibara_exp.tuning.hlo import Collective, StepProfile
-from capibara_exp.tuning.topology import Chip
 
 COLLECTIVE_LATENCY_S = 5e-6
 

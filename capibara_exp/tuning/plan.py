@@ -18,9 +18,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp import topologies
 from capibara_exp.errors import ConfigError
+from capibara_exp.topologies import Chip
 from capibara_exp.tuning import aot, hlo, report, search, space, topology
-from capibara_exp.tuning.topology import Chip
 
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
 STUDY_DB = "mesh_study.db"
@@ -56,7 +57,7 @@ def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
         where = f"{len(devices)} local {devices[0].platform} devices"
         return devices, local_chip(devices, dtype), where
     try:
-        topo = topology.get(name)
+        topo = topologies.get(name)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return topology.devices(topo), topo.chip, f"{topo.name} ({topo.jax_name}, {topo.chips} chips)"

@@ -13,11 +13,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.paths import CONF_DIR
+from capibara_exp.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.measure import spearman
 from capibara_exp.tuning.search import Result
 from capibara_exp.tuning.space import Candidate
-from capibara_exp.tuning.topology import Chip
 
 REPORT_MD = "mesh_report.md"
 REPORT_PNG = "mesh_report.png"

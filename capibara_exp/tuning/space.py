@@ -2,15 +2,18 @@
 
 A candidate is a set of Hydra overrides on the experiment (partitioning, trainer and model
 keys), so compiling it is compiling the experiment as a user would run it. Shapes that
-cannot work are left out before anything compiles: model partitions that do not divide the
-chips or the heads, expert partitions that do not divide the experts, microbatches that do
-not split the batch over the batch shards.
+cannot work are left out before anything compiles, by the partitioners' own rule
+(capibara_exp/meshes.py): model partitions that do not divide the chips or the heads,
+expert partitions that do not divide the experts, microbatches that do not split the batch
+over the batch shards, and over several slices, meshes whose data axis does not hold them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+
+from capibara_exp import meshes
 
 REMAT_POLICIES = ("none", "dots", "full")
 
@@ -53,18 +56,19 @@ def divisors(n: int) -> list[int]:
 
 def mesh_shapes(chips: int, num_heads: int, num_experts: int | None,
                 model_partitions: Iterable[int] | None = None,
-                expert_partitions: Iterable[int] | None = None) -> list[tuple[int, int, int]]:
-    """(data, expert, model) shapes over `chips`; expert is 1 for dense models."""
-    shapes = []
+                expert_partitions: Iterable[int] | None = None,
+                num_slices: int = 1) -> list[tuple[int, int, int]]:
+    """(data, expert, model) shapes over `chips` that the partitioners accept
+    (meshes.mesh_axes) and the heads and experts split over; expert is 1 for dense models."""
+    shapes = set()
     for model in model_partitions or divisors(chips):
-        if chips % model or num_heads % model:
-            continue
-        rest = chips // model
-        experts = [1] if not num_experts else (expert_partitions or divisors(rest))
-        for expert in experts:
-            if rest % expert or (num_experts and num_experts % expert):
+        for expert in (expert_partitions or divisors(chips)) if num_experts else [None]:
+            try:
+                axes = meshes.mesh_axes(chips, model, expert, num_slices=num_slices)
+                meshes.check_model_dims(axes, num_heads, num_experts)
+            except ValueError:
                 continue
-            shapes.append((rest // expert, expert, model))
+            shapes.add((axes["data"], axes.get("expert", 1), axes["model"]))
     return sorted(shapes)
 
 
@@ -85,7 +89,9 @@ def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: 
                                            expert_partitions):
         for batch in batches:
             for mb in num_microbatches:
-                if batch % mb or (batch // mb) % (data * expert):
+                try:
+                    meshes.check_batch(batch, mb, data * expert)
+                except ValueError:
                     continue
                 for policy in remat_policies:
                     for sharded in fsdp:
