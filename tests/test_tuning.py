@@ -148,9 +148,9 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
     table = _table(cands)
     compiled = []
 
-    def evaluate(c):
-        compiled.append(c)
-        return table[c].record
+    def evaluate(batch):
+        compiled.extend(batch)
+        return [table[c].record for c in batch]
 
     cache = search.Cache(tmp_path / "candidates.jsonl")
     best_exhaustive = search.best(search.exhaustive(cands, cache, evaluate))
@@ -170,12 +170,15 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
                                    sampler=search.make_sampler("tpe", 0, 40))
 
     fresh = search.Cache(None)
-    first = search.optimize(cands, fresh, lambda c: table[c].record, 12, study())
+    def records(batch):
+        return [table[c].record for c in batch]
+
+    first = search.optimize(cands, fresh, records, 12, study())
     trials = study().trials
     assert len(trials) == 12
     infeasible = [t for t in trials if t.system_attrs.get("constraints:infeasible")]
     assert all(t.value == 0.0 for t in infeasible)
-    more = search.optimize(cands, fresh, lambda c: table[c].record, 20, study())
+    more = search.optimize(cands, fresh, records, 20, study())
     assert len(study().trials) == 20 and more[:len(first)] == first
     found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
     assert all(n is not None and 1 <= n <= len(cands) for n in found)

@@ -21,7 +21,7 @@ from capibara_exp import gin_bridge
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import hlo
+from capibara_exp.tuning import calibration, profile
 from capibara_exp.tuning.estimate import estimate
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
@@ -52,16 +52,30 @@ class Compiled:
         return {**out, **self.profiled}
 
 
-def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: float
-                   ) -> dict[str, Any]:
+def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: float,
+                   coords: list[list[int]] | None = None) -> dict[str, Any]:
     """Per-chip matmul FLOPs, HBM bytes, collective bytes and the step estimate (est_*) of
-    a compiled step's HLO, tagged with the profiler's version (a newer one re-reads it)."""
-    profile = hlo.profile(hlo_text, num_devices)
-    est = estimate(profile, chip, model_flops)
-    return {"flops": profile.flops, "hbm_bytes": profile.hbm_bytes,
-            "collective_bytes": profile.collective_bytes,
-            "profile_version": hlo.PROFILE_VERSION,
+    a compiled step's HLO under the calibrated model, tagged with the profiler's version (a
+    newer one re-reads it). coords: (x, y, z, slice) of the mesh's devices in order."""
+    step = profile.profile(hlo_text, num_devices, coords)
+    est = estimate(step, chip, model_flops, calibration.CALIBRATED)
+    return {"flops": step.flops, "hbm_bytes": step.hbm_bytes,
+            "collective_bytes": step.collective_bytes,
+            "profile_version": profile.PROFILE_VERSION, "step_model": step_model_id(),
             **{f"est_{k}": v for k, v in dataclasses.asdict(est).items()}}
+
+
+def step_model_id() -> dict[str, float]:
+    """The constants estimates were made with: results made with others are re-read."""
+    return dataclasses.asdict(calibration.CALIBRATED)
+
+
+def mesh_coords(mesh: Any) -> list[list[int]] | None:
+    """(x, y, z, slice) of a mesh's devices in order; None for devices without coordinates."""
+    devices = list(mesh.devices.flat)
+    if not all(hasattr(d, "coords") for d in devices):
+        return None
+    return [[*d.coords, getattr(d, "slice_index", 0) or 0] for d in devices]
 
 
 def render_local_gin(cfg: DictConfig) -> str:
@@ -121,6 +135,7 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
 
         lowered = train_script.lower_train_step(**bindings)
         model_flops = model_flops_per_chip(bindings, len(devices))
+        coords = mesh_coords(bindings["partitioner"].mesh)
     except (ValueError, ConfigError) as err:  # the mesh/config does not fit
         return Compiled(False, f"invalid: {_one_line(err)}")
     finally:
@@ -140,8 +155,9 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else {}
+    fields = profile_fields(text, len(devices), chip, model_flops, coords)
     result = Compiled(True, "", compile_s, memory, model_flops, float(cost.get("flops", 0.0)),
-                      profile_fields(text, len(devices), chip, model_flops), text)
+                      {**fields, "device_coords": coords}, text)
     budget = (1.0 - hbm_margin) * chip.hbm_bytes
     if memory > budget:
         result.feasible = False

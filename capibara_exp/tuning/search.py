@@ -5,7 +5,9 @@ cached by candidate.
 
 Each distinct candidate costs one compile (tens of seconds to minutes for a real model),
 so the unit of cost is a compile, not a trial: a trial that proposes a candidate already
-compiled reuses its result.
+compiled reuses its result, and one the memory bound rules out (`pruned` in its record)
+costs no compile. With a compile pool the study asks for as many trials as there are
+workers at once (TPE's constant liar keeps them apart) and compiles them together.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import optuna
 
-from capibara_exp.tuning.space import Candidate
+from capibara_exp.tuning.space import REMAT_POLICIES, Candidate
 
 OBJECTIVE = "est_mfu"  # maximised; with a fixed global batch, the same order as step time
 # Optuna's constraint (> 0: violated) for invalid, out-of-HBM and failed candidates: TPE
@@ -37,11 +39,17 @@ class Result:
         return bool(self.record.get("feasible"))
 
     @property
+    def compiled(self) -> bool:
+        """Whether finding this result cost a compile (a pruned candidate did not)."""
+        return not self.record.get("pruned")
+
+    @property
     def value(self) -> float:
         return float(self.record.get(OBJECTIVE, 0.0)) if self.feasible else 0.0
 
 
-Evaluate = Callable[[Candidate], dict[str, Any]]
+# Records of a batch of candidates, in order (compiled together where a pool allows).
+Evaluate = Callable[[Sequence[Candidate]], list[dict[str, Any]]]
 
 
 class Cache:
@@ -63,92 +71,127 @@ class Cache:
                 json.dumps({"candidate": dataclasses.asdict(c), "record": r.record}) + "\n"
                 for c, r in self.results.items()))
 
-    def get(self, cand: Candidate, evaluate: Evaluate) -> Result:
-        if cand not in self.results:
-            result = Result(cand, evaluate(cand))
-            self.results[cand] = result
+    def get_many(self, cands: Sequence[Candidate], evaluate: Evaluate) -> list[Result]:
+        """Each candidate's result, evaluating the ones not cached in one batch."""
+        todo = list(dict.fromkeys(c for c in cands if c not in self.results))
+        for cand, record in zip(todo, evaluate(todo) if todo else [], strict=True):
+            self.results[cand] = Result(cand, record)
             if self.path:
                 with self.path.open("a") as f:
                     f.write(json.dumps({"candidate": dataclasses.asdict(cand),
-                                        "record": result.record}) + "\n")
-        return self.results[cand]
+                                        "record": record}) + "\n")
+        return [self.results[c] for c in cands]
 
 
-def _params(cands: Sequence[Candidate]) -> dict[str, list]:
-    """The study's categorical parameters: the distinct values of each part."""
-    def values(attr):
-        return sorted({getattr(c, attr) for c in cands}, key=str)
-
-    return {"mesh": sorted({c.mesh for c in cands}),
-            "num_microbatches": values("num_microbatches"),
-            "remat_policy": values("remat_policy"),
-            "fsdp": values("fsdp"),
-            "batch_size": values("batch_size")}
+# The candidate's parts the study samples, each as an index into its sorted values, so TPE
+# sees their order (2 model partitions lie between 1 and 4; remat 'dots' between 'none'
+# and 'full'). The data axis follows from the others.
+PARTS = ("model", "expert", "num_microbatches", "remat_policy", "fsdp", "batch_size",
+         "attention")
 
 
-def _lookup(cands: Sequence[Candidate], params: dict[str, Any]) -> Candidate | None:
-    for c in cands:
-        if (c.mesh == params["mesh"] and c.num_microbatches == params["num_microbatches"]
-                and c.remat_policy == params["remat_policy"] and c.fsdp == params["fsdp"]
-                and c.batch_size == params["batch_size"]):
-            return c
-    return None
+def _space(cands: Sequence[Candidate]) -> dict[str, list]:
+    """The distinct values of each part, in order."""
+    def order(part: str):
+        return REMAT_POLICIES.index if part == "remat_policy" else (lambda v: v)
+
+    return {part: sorted({getattr(c, part) for c in cands}, key=order(part)) for part in PARTS}
+
+
+def _suggest(trial: optuna.trial.BaseTrial, space: dict[str, list]) -> dict[str, Any]:
+    return {part: values[trial.suggest_int(part, 0, len(values) - 1)] if len(values) > 1
+            else values[0] for part, values in space.items()}
+
+
+def _decode(params: dict[str, Any], space: dict[str, list]) -> dict[str, Any] | None:
+    """A finished trial's parts from its stored indices (None for another space's trial)."""
+    try:
+        return {part: values[params[part]] if len(values) > 1 else values[0]
+                for part, values in space.items()}
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _table(cands: Sequence[Candidate]) -> dict[tuple, Candidate]:
+    return {tuple(getattr(c, part) for part in PARTS): c for c in cands}
+
+
+def _lookup(cands: Sequence[Candidate], parts: dict[str, Any] | None) -> Candidate | None:
+    if parts is None:
+        return None
+    return _table(cands).get(tuple(parts[part] for part in PARTS))
 
 
 def make_sampler(name: str, seed: int | None, n_trials: int) -> optuna.samplers.BaseSampler:
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True,
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
                                           n_startup_trials=max(3, min(10, n_trials // 3)))
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"tune_mesh.sampler: '{name}' is not one of ['tpe', 'random']")
 
 
+def _tell(study: optuna.Study, trial: optuna.Trial, result: Result | None) -> None:
+    if result is None:  # e.g. microbatches that do not split this mesh's batch shards
+        trial.set_constraint(INFEASIBLE, 1.0)
+        trial.set_user_attr("reason", "invalid combination")
+        study.tell(trial, 0.0)
+        return
+    trial.set_constraint(INFEASIBLE, 0.0 if result.feasible else 1.0)
+    trial.set_user_attr("candidate", result.candidate.key)
+    if not result.feasible:
+        trial.set_user_attr("reason", result.record.get("reason", ""))
+    study.tell(trial, result.value)
+
+
 def _trials(cands: Sequence[Candidate], study: optuna.Study,
-            result_of: Callable[[Candidate], Result], more: Callable[[], bool]
-            ) -> Iterator[Result]:
-    """Ask, look the candidate up, tell: one trial at a time while `more()`."""
-    space = _params(cands)
+            results_of: Callable[[Sequence[Candidate]], list[Result]], more: Callable[[], bool],
+            batch: int = 1) -> Iterator[Result]:
+    """Ask up to `batch` trials, evaluate their candidates together, tell; while `more()`."""
+    space, table = _space(cands), _table(cands)
     while more():
-        trial = study.ask()
-        params = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
-        cand = _lookup(cands, params)
-        if cand is None:  # e.g. microbatches that do not split this mesh's batch shards
-            trial.set_constraint(INFEASIBLE, 1.0)
-            trial.set_user_attr("reason", "invalid combination")
-            study.tell(trial, 0.0)
-            continue
-        result = result_of(cand)
-        trial.set_constraint(INFEASIBLE, 0.0 if result.feasible else 1.0)
-        trial.set_user_attr("candidate", cand.key)
-        if not result.feasible:
-            trial.set_user_attr("reason", result.record.get("reason", ""))
-        study.tell(trial, result.value)
-        yield result
+        asked = []
+        while len(asked) < batch and more():
+            trial = study.ask()
+            parts = _suggest(trial, space)
+            cand = table.get(tuple(parts[p] for p in PARTS))
+            if cand is None:
+                _tell(study, trial, None)
+            else:
+                asked.append((trial, cand))
+        results = results_of([c for _, c in asked]) if asked else []
+        for (trial, _), result in zip(asked, results, strict=True):
+            _tell(study, trial, result)
+            yield result
 
 
 def optimize(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate, n_trials: int,
-             study: optuna.Study, max_compiles: int | None = None) -> list[Result]:
+             study: optuna.Study, max_compiles: int | None = None, batch: int = 1
+             ) -> list[Result]:
     """Run trials until the study holds n_trials (a re-run continues) or max_compiles new
     compiles were spent; return the results in the order the study met them."""
-    order = [cache.results[c] for c in (_lookup(cands, t.params) for t in study.trials
-                                        if t.params) if c in cache.results]
+    space = _space(cands)
+    order = [cache.results[c] for c in (_lookup(cands, _decode(t.params, space))
+                                        for t in study.trials if t.params)
+             if c in cache.results]
     compiles = 0
 
-    def result_of(cand: Candidate) -> Result:
+    def results_of(batch_cands: Sequence[Candidate]) -> list[Result]:
         nonlocal compiles
-        compiles += cand not in cache.results
-        return cache.get(cand, evaluate)
+        fresh = {c for c in batch_cands if c not in cache.results}
+        results = cache.get_many(batch_cands, evaluate)
+        compiles += sum(r.compiled for r in results if r.candidate in fresh)
+        return results
 
     def more() -> bool:
         return len(study.trials) < n_trials and (max_compiles is None or compiles < max_compiles)
 
-    order += list(_trials(cands, study, result_of, more))
+    order += list(_trials(cands, study, results_of, more, batch))
     return order
 
 
 def exhaustive(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate) -> list[Result]:
-    return [cache.get(c, evaluate) for c in cands]
+    return cache.get_many(cands, evaluate)
 
 
 def best(results: Sequence[Result]) -> Result | None:
@@ -159,7 +202,8 @@ def best(results: Sequence[Result]) -> Result | None:
 def compiles_to_optimum(cands: Sequence[Candidate], table: dict[Candidate, Result],
                         sampler: str, seeds: Sequence[int], max_trials: int) -> list[int | None]:
     """For each seed, how many distinct candidates a fresh study compiles before it first
-    meets the exhaustive optimum (None: not within max_trials), replayed on the table."""
+    meets the exhaustive optimum (None: not within max_trials), replayed on the table one
+    trial at a time; candidates the memory bound pruned cost no compile."""
     optimum = best(list(table.values()))
     if optimum is None:
         return [None for _ in seeds]
@@ -170,9 +214,10 @@ def compiles_to_optimum(cands: Sequence[Candidate], table: dict[Candidate, Resul
                                     sampler=make_sampler(sampler, seed, max_trials))
         seen: set[Candidate] = set()
         found = None
-        for result in _trials(cands, study, table.__getitem__,
+        for result in _trials(cands, study, lambda cs: [table[c] for c in cs],
                               lambda: len(study.trials) < max_trials):  # noqa: B023
-            seen.add(result.candidate)
+            if result.compiled:
+                seen.add(result.candidate)
             if math.isclose(result.value, optimum.value, rel_tol=1e-12):
                 found = len(seen)
                 break

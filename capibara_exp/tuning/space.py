@@ -11,6 +11,7 @@ over the batch shards, and over several slices, meshes whose data axis does not 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 
 from capibara_exp import meshes
@@ -27,6 +28,7 @@ class Candidate:
     remat_policy: str
     fsdp: bool  # parameters also sharded over 'data' (parameter_partitioning_dims=2)
     batch_size: int  # global
+    attention: str = "dot"  # model.attention: dot | splash (nets/attention.py)
 
     @property
     def mesh(self) -> str:
@@ -35,7 +37,7 @@ class Candidate:
     @property
     def key(self) -> str:
         return (f"mesh={self.mesh} mb={self.num_microbatches} remat={self.remat_policy} "
-                f"fsdp={int(self.fsdp)} batch={self.batch_size}")
+                f"fsdp={int(self.fsdp)} batch={self.batch_size} attn={self.attention}")
 
     def overrides(self, moe: bool) -> list[str]:
         """Hydra overrides that make the experiment this candidate."""
@@ -44,6 +46,7 @@ class Candidate:
                f"partitioning.parameter_partitioning_dims={2 if self.fsdp else 1}",
                f"trainer.num_microbatches={self.num_microbatches if self.num_microbatches > 1 else 'null'}",  # noqa: E501
                f"model.remat_policy={self.remat_policy}",
+               f"model.attention={self.attention}",
                f"data.batch_size={self.batch_size}"]
         if moe:
             out.append(f"partitioning.num_expert_partitions={self.expert}")
@@ -75,6 +78,7 @@ def mesh_shapes(chips: int, num_heads: int, num_experts: int | None,
 def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: int, *,
                num_microbatches: Sequence[int] = (1,), remat_policies: Sequence[str] = ("none",),
                fsdp: Sequence[bool] = (False,), per_chip_batch: Sequence[int] | None = None,
+               attentions: Sequence[str] = ("dot",), num_slices: int = 1,
                model_partitions: Iterable[int] | None = None,
                expert_partitions: Iterable[int] | None = None) -> list[Candidate]:
     """Every valid combination; `per_chip_batch` replaces the experiment's global batch with
@@ -86,7 +90,7 @@ def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: 
     batches = [b * chips for b in per_chip_batch] if per_chip_batch else [batch_size]
     out = []
     for data, expert, model in mesh_shapes(chips, num_heads, num_experts, model_partitions,
-                                           expert_partitions):
+                                           expert_partitions, num_slices):
         for batch in batches:
             for mb in num_microbatches:
                 try:
@@ -94,9 +98,9 @@ def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: 
                 except ValueError:
                     continue
                 for policy in remat_policies:
-                    for sharded in fsdp:
+                    for sharded, attention in itertools.product(fsdp, attentions):
                         if sharded and data == 1:
                             continue  # nothing to shard parameters over
                         out.append(Candidate(data, expert, model, mb, policy, bool(sharded),
-                                             batch))
+                                             batch, attention))
     return out
