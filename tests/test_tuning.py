@@ -1,4 +1,6 @@
-"""The mesh planner: HLO profile, step-time model, search space, Optuna search, outputs."""
+"""The mesh planner: search space, Optuna search, memory pruning, outputs, the CLI.
+
+The HLO profile, the step-time model and its calibration: tests/test_step_model.py."""
 
 from __future__ import annotations
 
@@ -8,15 +10,10 @@ import platform
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from capibara_exp import topologies
-from capibara_exp.tuning import estimate, hlo, search, space, topology
+from capibara_exp.tuning import search, space, topology
 
 LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_libtpu = pytest.mark.skipif(
@@ -27,89 +24,6 @@ needs_libtpu = pytest.mark.skipif(
 def tpu_devices(name: str = "v5e-4") -> list:
     assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
     return topology.devices(topologies.get(name))
-
-
-def test_matmul_flops_and_loop_trip_counts_on_cpu():
-    def chain(x_BxD, w_DxF, v_FxD):
-        return jnp.tanh(x_BxD @ w_DxF) @ v_FxD
-
-    def scanned(x_BxD, w_DxF, v_FxD):
-        def body(x, _):
-            return chain(x, w_DxF, v_FxD), None
-
-        return jax.lax.scan(body, x_BxD, None, length=5)[0]
-
-    args = (jnp.ones((32, 64)), jnp.ones((64, 128)), jnp.ones((128, 64)))
-    one = 2 * 32 * 64 * 128 * 2  # two matmuls
-    compiled = jax.jit(chain).lower(*args).compile()
-    assert hlo.profile(compiled.as_text(), 1).flops == one
-    looped = jax.jit(scanned).lower(*args).compile()
-    profile = hlo.profile(looped.as_text(), 1)
-    assert profile.flops == 5 * one  # XLA's cost_analysis counts the body once
-    assert looped.cost_analysis()["flops"] < 2 * one
-    assert profile.hbm_bytes > 5 * 4 * (32 * 64)  # at least the carry, read each iteration
-
-
-def test_a_scan_over_stacked_weights_reads_each_layer_once():
-    layers, d = 16, 256
-    w = jnp.ones((layers, d, d))
-
-    def scanned(x_BxD, w_LxDxD):
-        return jax.lax.scan(lambda x, w_DxD: (jnp.tanh(x @ w_DxD), None), x_BxD, w_LxDxD)[0]
-
-    profile = hlo.profile(jax.jit(scanned).lower(jnp.ones((8, d)), w).compile().as_text(), 1)
-    layer_bytes = d * d * 4
-    # Each iteration reads its layer's slice (the CPU backend copies it out, then the dot
-    # reads the copy: about 3 layers' bytes), not the whole stack (16 layers' bytes).
-    assert 2 * layers * layer_bytes <= profile.hbm_bytes < 4 * layers * layer_bytes
-    assert profile.flops == layers * 2 * 8 * d * d
-
-
-@needs_libtpu
-def test_tpu_einsums_and_collectives_are_counted():
-    devices = tpu_devices("v5e-4")
-    mesh = Mesh(np.asarray(devices).reshape(2, 2), ("data", "model"))
-
-    def step(x_BxLxD, w_DxF):
-        h_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, w_DxF)
-        scores_BxLxL = jnp.einsum("blf,bmf->blm", h_BxLxF, h_BxLxF)  # a batched einsum
-        return jnp.sum(jnp.tanh(scores_BxLxL))  # tanh: no algebraic shortcut for XLA
-
-    x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P("data", None, None)))
-    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P(None, "model")))
-    compiled = jax.jit(step).lower(x, w).compile()
-    profile = hlo.profile(compiled.as_text(), 4)
-    # Per device: 4 of 8 rows, 512 of 1024 features (the scores contract over features, so
-    # each device computes partial scores that an all-reduce over 'model' adds up).
-    want = 2 * 4 * 256 * 512 * 512 + 2 * 4 * 256 * 256 * 512
-    assert profile.flops == want
-    reduces = [c for c in profile.collectives if c.opcode == "all-reduce"]
-    assert reduces and all(c.group_size in (2, 4) for c in reduces)
-    chip = topologies.V5E
-    seconds = estimate.collective_seconds(reduces[0], chip)
-    ring = 2 * chip.link_bytes_per_s
-    g = reduces[0].group_size
-    assert seconds == pytest.approx(2 * (g - 1) / g * reduces[0].bytes / ring
-                                    + estimate.COLLECTIVE_LATENCY_S)
-
-
-def test_step_estimate_is_a_per_op_roofline_plus_collectives():
-    chip = topologies.Chip("test", peak_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
-                         ici_bytes_per_s=40.0, ici_ports=2)
-    profile = hlo.StepProfile(
-        flops=0, hbm_bytes=0,
-        collectives=[hlo.Collective("all-gather", 20.0, 4, 2.0),
-                     hlo.Collective("all-reduce", 8.0, 1, 1.0)],  # one device: free
-        ops=[(1000.0, 10.0, 1.0),  # compute-bound: 10 s
-             (10.0, 100.0, 3.0)])  # memory-bound: 10 s, three times
-    est = estimate.estimate(profile, chip, model_flops_per_chip=1000.0)
-    gather = 0.75 * 20.0 / (2 * chip.link_bytes_per_s) + estimate.COLLECTIVE_LATENCY_S
-    assert est.roofline_s == pytest.approx(10.0 + 30.0)
-    assert est.collective_s == pytest.approx(2 * gather)
-    assert est.step_s == pytest.approx(40.0 + 2 * gather)
-    assert est.mfu == pytest.approx(1000.0 / (est.step_s * 100.0))
 
 
 def test_candidates_divide_the_chips_heads_experts_and_batch():

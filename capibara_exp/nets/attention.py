@@ -18,8 +18,6 @@ H heads, K head dim.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -56,9 +54,9 @@ def splash_block(length: int) -> int:
     return block
 
 
-@functools.lru_cache(maxsize=32)
 def _kernel(num_heads: int, length: int, interpret: bool):
-    """A causal splash kernel for `num_heads` heads of `length` (mask tables are built once)."""
+    """A causal splash kernel for `num_heads` heads of `length`. Made inside each trace (its
+    mask tables become that trace's constants); JAX caches the mask processing itself."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     block = splash_block(length)

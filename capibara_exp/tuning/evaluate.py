@@ -6,7 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,23 +80,23 @@ class Evaluator:
                 "reason": f"over HBM before compiling: it holds at least {bound / GIB:.2f} GiB "
                           f"per chip > {self.budget / GIB:.2f} GiB (tuning/memory.py)"}
 
-    def __call__(self, cands: Sequence[Candidate]) -> list[dict[str, Any]]:
-        records: dict[Candidate, dict[str, Any]] = {}
+    def __call__(self, cands: Sequence[Candidate]) -> Iterator[dict[str, Any]]:
+        """Each candidate's record, in order, as soon as it is known (pruned ones at once,
+        compiled ones as the pool finishes them)."""
+        pruned = {c: self.prune(c) if self.s.prune_by_memory else None for c in cands}
+        todo = [c for c in cands if pruned[c] is None]
+        cfgs = {c: with_overrides(self.base, c.overrides(self.moe)) for c in todo}
+        compiled = self.compile([cfgs[c] for c in todo])
         for cand in cands:
-            pruned = self.prune(cand) if self.s.prune_by_memory else None
-            if pruned is not None:
-                records[cand] = pruned
-                self.log(cand, pruned)
-        todo = [c for c in cands if c not in records]
-        cfgs = [with_overrides(self.base, c.overrides(self.moe)) for c in todo]
-        for cand, cfg, (record, text) in zip(todo, cfgs, self.compile(cfgs), strict=True):
-            if text:  # kept, so a better profiler can re-read it without compiling
-                record["hlo_file"] = save_hlo(self.out_dir, cand, text)
-            if self.s.measure and record["feasible"]:
-                record["measured_step_s"] = self.measure(cfg)
-            records[cand] = record
+            record = pruned[cand]
+            if record is None:
+                record, text = next(compiled)
+                if text:  # kept, so a better profiler can re-read it without compiling
+                    record["hlo_file"] = save_hlo(self.out_dir, cand, text)
+                if self.s.measure and record["feasible"]:
+                    record["measured_step_s"] = self.measure(cfgs[cand])
             self.log(cand, record)
-        return [records[c] for c in cands]
+            yield record
 
     def compile(self, cfgs: Sequence[DictConfig]):
         if self.pool is not None:
@@ -108,7 +108,6 @@ class Evaluator:
 
     def measure(self, cfg: DictConfig) -> float:
         import gin
-
         from capibara_exp.tuning.measure import time_train_steps
 
         try:

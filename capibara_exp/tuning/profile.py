@@ -17,6 +17,10 @@ and every while body or called computation it reaches, a list of events in sched
   runs (a collective fused with compute that no start announced);
 - ("loop", body, trips), ("call", computation), ("branches", [computations]).
 
+Across slices, XLA reduces within each slice over ICI and hands the rest to the megascale
+runtime as send/recv host transfers over DCN; a send becomes an asynchronous collective
+over the slices, done at its send-done.
+
 A collective is (opcode, payload bytes, group size, ICI axes and slices its group spans).
 The profile is plain JSON-able data: the planner caches it, and bench/calibrate.py keeps
 the four MaxText configurations' profiles (bench/calibration/) to refit without compiling.
@@ -41,6 +45,9 @@ _FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "
              "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain"}
 _DMA_STARTS = ("copy-start", "slice-start")
 _CHANNEL_RE = re.compile(r"channel_id=(\d+)")
+# Across slices XLA lowers a collective to a host transfer the megascale runtime carries
+# over DCN: send/recv pairs tagged with the collective they are part of.
+_MEGASCALE_RE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _TARGET_RE = re.compile(r'custom_call_target="(\w+)"')
 
 
@@ -138,6 +145,13 @@ class _Reader:
             return [["op", flops, moved]]
         return [["overlap", flops, moved, collective]]
 
+    def dcn_collective(self, instr: Instruction, comp: Computation) -> dict[str, Any]:
+        """A cross-slice transfer as a collective over the slices (one chip in each)."""
+        kind = _MEGASCALE_RE.search(instr.attrs).group(1).lower().replace("_", "-")
+        slices = len({c[-1] for c in self.coords}) if self.coords else 2
+        payload = shape_bytes(comp.shapes.get(instr.operands[0], "")) if instr.operands else 0.0
+        return dataclasses.asdict(Collective(kind, payload, slices, 0, slices))
+
     def events(self, comp: Computation) -> list[list[Any]]:
         out: list[list[Any]] = []
         started: set[str] = set()
@@ -161,6 +175,10 @@ class _Reader:
                 out.append(["done", instr.operands[0] if instr.operands else ""])
             elif op in COLLECTIVES:
                 out.append(["sync", _collective(instr, comp, self.num_devices, self.coords)])
+            elif op == "send" and _MEGASCALE_RE.search(instr.attrs):
+                out.append(["start", instr.name, self.dcn_collective(instr, comp)])
+            elif op == "recv":  # its data is the send's transfer, counted there
+                continue
             elif op in _DMA_STARTS:  # an asynchronous copy: reads its operand, writes it
                 out.append(["dma", instr.name, 2.0 * sum(
                     shape_bytes(comp.shapes.get(o, "")) for o in instr.operands)])
