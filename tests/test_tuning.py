@@ -21,6 +21,22 @@ needs_libtpu = pytest.mark.skipif(
     reason=f"libtpu is published for Linux x86_64 only, not {sys.platform} {platform.machine()}")
 
 
+def memory_bounds(overrides: list[str], devices: list, cands: list) -> dict:
+    """tuning/memory.py's lower bound of each candidate of the composed experiment."""
+    import gin
+    from capibara_exp.tuning import aot, evaluate, memory
+    from tests.conftest import compose_config
+
+    cfg = compose_config(overrides)
+    try:
+        shapes = memory.shapes_of(aot.train_bindings(aot.render_local_gin(cfg), devices),
+                                  cfg.model)
+    finally:
+        gin.clear_config(clear_constants=True)
+    moe = "num_experts" in cfg.model
+    return {c: memory.lower_bound(shapes, c, evaluate.rules_for(c, moe)) for c in cands}
+
+
 def tpu_devices(name: str = "v5e-4") -> list:
     assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
     return topology.devices(topologies.get(name))
@@ -40,6 +56,31 @@ def test_candidates_divide_the_chips_heads_experts_and_batch():
     assert {c.mesh for c in dense} == {"8x1x1", "4x1x2", "2x1x4"}  # 8 model partitions: 4 heads
     with pytest.raises(ValueError, match="tune_mesh.remat_policies: 'some'"):
         space.candidates(8, 4, None, 16, remat_policies=["some"])
+
+
+def test_attention_is_searched_where_the_model_can_take_splash():
+    from capibara_exp.errors import ConfigError
+    from capibara_exp.tuning import plan
+    from tests.conftest import compose_config
+
+    def attentions(*overrides, local=False):
+        return plan.attentions(compose_config(["+tune_mesh=default", *overrides]), local)
+
+    rope = ["model.position_embedding=rope", "data.task_feature_lengths={targets: 512}"]
+    assert attentions() == ["dot"]  # relative position bias: no splash
+    assert attentions(*rope) == ["dot", "splash"]
+    assert attentions(*rope, local=True) == ["dot"]  # off TPU splash is dot
+    assert attentions("model.position_embedding=rope",  # a length the blocks do not divide
+                      "data.task_feature_lengths={targets: 200}") == ["dot"]
+    with pytest.raises(ConfigError, match="lists splash, which this model cannot take: "
+                                          "model.position_embedding=relative"):
+        attentions("tune_mesh.attentions=[splash]")
+    with pytest.raises(ConfigError, match="'flash' is not one of"):
+        attentions(*rope, "tune_mesh.attentions=[flash]")
+    both = space.candidates(8, 4, None, 16, attentions=["dot", "splash"])
+    assert len(both) == 2 * len(space.candidates(8, 4, None, 16))
+    assert {c.attention for c in both} == {"dot", "splash"}
+    assert "model.attention=splash" in both[-1].overrides(moe=False)
 
 
 def _table(cands):
@@ -89,11 +130,11 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
 
     first = search.optimize(cands, fresh, records, 12, study())
     trials = study().trials
-    assert len(trials) == 12
+    assert search.told(study()) == 12
     infeasible = [t for t in trials if t.system_attrs.get("constraints:infeasible")]
     assert all(t.value == 0.0 for t in infeasible)
     more = search.optimize(cands, fresh, records, 20, study())
-    assert len(study().trials) == 20 and more[:len(first)] == first
+    assert search.told(study()) == 20 and more[:len(first)] == first
     found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
     assert all(n is not None and 1 <= n <= len(cands) for n in found)
 
@@ -149,6 +190,11 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     assert composed["partitioning"]["num_partitions"] == int(mesh[2])
     mb = int(best["candidate"].split()[1].removeprefix("mb="))
     assert composed["trainer"]["num_microbatches"] == (mb if mb > 1 else None)
+    # The memory bound the planner prunes by is below what every compile needed.
+    bound = memory_bounds(["topology=v5e-4", "model.num_layers=1"], tpu_devices("v5e-4"),
+                          list(cache.results))
+    for cand, result in cache.results.items():
+        assert 0 < bound[cand] <= result.record["memory_bytes"], cand.key
 
 
 @pytest.mark.slow
@@ -169,6 +215,26 @@ def test_measured_mode_times_candidates_on_simulated_devices(tmp_path):
     agreement = results["measured_vs_estimated"]
     assert agreement["candidates"] == 4 and -1.0 <= agreement["spearman"] <= 1.0
     assert "measured vs estimated" in (tmp_path / "plan" / "mesh_report.md").read_text().lower()
+
+
+def test_candidates_over_the_memory_bound_cost_no_compile(tmp_path):
+    """A budget no step fits (hbm_margin 0.9999: 1.7 KB of HBM): every candidate is ruled
+    out by tuning/memory.py's bound, recorded infeasible without compiling, and the run
+    says no candidate is feasible."""
+    out = subprocess.run(
+        [sys.executable, "-m", "capibara_exp.cli.tune_mesh", "topology=v5e-4",
+         "tune_mesh.search=exhaustive", "tune_mesh.hbm_margin=0.9999",
+         f"tune_mesh.conf_dir={tmp_path / 'conf'}", "hydra.run.dir=plan"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no feasible candidate" in out.stderr
+    results = json.loads((tmp_path / "plan" / "mesh_results.json").read_text())
+    assert results["pruned"] == results["evaluated"] == results["space_size"] > 0
+    assert results["compiled"] == results["feasible"] == 0
+    for row in results["results"]:
+        assert row["pruned"] and row["compile_s"] == 0.0 and "hlo_file" not in row
+        assert "over HBM before compiling" in row["reason"]
+    assert not (tmp_path / "plan" / "hlo").exists()
 
 
 def test_tune_mesh_errors(tmp_path):
