@@ -96,6 +96,19 @@ def segments_for_splash(target_tokens_BxL, segments_BxL=None):
     return jnp.where(target_tokens_BxL > 0, segments.astype(jnp.int32), 0)
 
 
+def splash_segments(attention: str, target_tokens_BxL, segments_BxL=None,
+                    causal_attention_BxL=None):
+    """What the splash kernel masks by, for a decoder whose attention is `attention` (None
+    for dot); a prefix-LM mask is an error (the kernel's mask is causal within segments)."""
+    if attention != "splash":
+        return None
+    if causal_attention_BxL is not None:
+        raise ValueError("nets.Decoder: decoder_causal_attention (a prefix-LM mask) needs "
+                         "DecoderConfig.attention='dot'; the splash kernel's mask is causal "
+                         "within segments")
+    return segments_for_splash(target_tokens_BxL, segments_BxL)
+
+
 class Attention(nn.Module):
     """Multi-head causal self-attention with T5X's projection names and logical axes."""
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp.nets.attention import ATTENTIONS, Attention, segments_for_splash
+from capibara_exp.nets.attention import ATTENTIONS, Attention, splash_segments
 
 # nets.moe builds its experts from these; `X as X` marks them as re-exported here.
 from capibara_exp.nets.layers import ACTIVATIONS as _ACTIVATIONS
@@ -321,13 +321,8 @@ class Decoder(nn.Module):
             embedder(decoder_input_tokens).astype(dtype), ("batch", "length", "embed")
         )
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
-        segments_BxL = None
-        if c.attention == "splash":
-            if decoder_causal_attention is not None:
-                raise ValueError("nets.Decoder: decoder_causal_attention (a prefix-LM mask) needs "
-                                 "DecoderConfig.attention='dot'; the splash kernel's mask is "
-                                 "causal within segments")
-            segments_BxL = segments_for_splash(decoder_target_tokens, decoder_segment_ids)
+        segments_BxL = splash_segments(c.attention, decoder_target_tokens, decoder_segment_ids,
+                                       decoder_causal_attention)
         if c.scan_layers:
             x_BxLxD = self.scanned_layers(
                 x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL
