@@ -97,15 +97,17 @@ def _table(cands):
 def test_search_finds_the_optimum_and_resumes(tmp_path):
     import optuna
 
+    from capibara_exp.tuning import evaluate as evaluate_module
+
     cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
                              num_microbatches=[1, 2], remat_policies=["none", "full"],
                              fsdp=[False, True])
     table = _table(cands)
     compiled = []
 
-    def evaluate(batch):
-        compiled.extend(batch)
-        return [table[c].record for c in batch]
+    def evaluate(cand):
+        compiled.append(cand)
+        return evaluate_module.done(table[cand].record)
 
     cache = search.Cache(tmp_path / "candidates.jsonl")
     best_exhaustive = search.best(search.exhaustive(cands, cache, evaluate))
@@ -125,8 +127,8 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
                                    sampler=search.make_sampler("tpe", 0, 40))
 
     fresh = search.Cache(None)
-    def records(batch):
-        return [table[c].record for c in batch]
+    def records(cand):
+        return evaluate_module.done(table[cand].record)
 
     first = search.optimize(cands, fresh, records, 12, study())
     trials = study().trials
@@ -135,6 +137,29 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
     assert all(t.value == 0.0 for t in infeasible)
     more = search.optimize(cands, fresh, records, 20, study())
     assert search.told(study()) == 20 and more[:len(first)] == first
+    # Three trials at a time on a pool whose results come back out of order: each candidate
+    # is compiled at most once, and every trial is told.
+    import concurrent.futures
+    import random
+    import time
+
+    submitted = []
+    jitter = random.Random(0)
+
+    def slow(cand):
+        submitted.append(cand)
+        delay = jitter.uniform(0, 0.02)
+        return workers.submit(lambda: time.sleep(delay) or table[cand].record)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as workers:
+        pooled = search.Cache(tmp_path / "pooled.jsonl")
+        storage3 = f"sqlite:///{tmp_path / 'pooled.db'}"
+        study3 = optuna.create_study(storage=storage3, direction="maximize",
+                                     sampler=search.make_sampler("tpe", 1, 30))
+        got = search.optimize(cands, pooled, slow, 30, study3, workers=3)
+    assert search.told(study3) == 30 and 0 < len(got) <= 30  # invalid combinations yield none
+    assert len(submitted) == len(set(submitted)) == len(pooled.results)
+    assert len(search.Cache(tmp_path / "pooled.jsonl").results) == len(pooled.results)
     found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
     assert all(n is not None and 1 <= n <= len(cands) for n in found)
 

@@ -3,10 +3,11 @@ TPU topology), keep each compile's HLO, and time steps in measured mode."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import hashlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,13 @@ def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except Exception as err:  # omegaconf's ConfigKeyError and friends
         raise ConfigError(f"tune-mesh candidate override {overrides}: {err}") from err
+
+
+def done(value: Any) -> concurrent.futures.Future:
+    """A future that already holds its value."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def save_hlo(out_dir: Path, cand: Candidate, text: str) -> str:
@@ -80,31 +88,38 @@ class Evaluator:
                 "reason": f"over HBM before compiling: it holds at least {bound / GIB:.2f} GiB "
                           f"per chip > {self.budget / GIB:.2f} GiB (tuning/memory.py)"}
 
-    def __call__(self, cands: Sequence[Candidate]) -> Iterator[dict[str, Any]]:
-        """Each candidate's record, in order, as soon as it is known (pruned ones at once,
-        compiled ones as the pool finishes them)."""
-        pruned = {c: self.prune(c) if self.s.prune_by_memory else None for c in cands}
-        todo = [c for c in cands if pruned[c] is None]
-        cfgs = {c: with_overrides(self.base, c.overrides(self.moe)) for c in todo}
-        compiled = self.compile([cfgs[c] for c in todo])
-        for cand in cands:
-            record = pruned[cand]
-            if record is None:
-                record, text = next(compiled)
-                if text:  # kept, so a better profiler can re-read it without compiling
-                    record["hlo_file"] = save_hlo(self.out_dir, cand, text)
-                if self.s.measure and record["feasible"]:
-                    record["measured_step_s"] = self.measure(cfgs[cand])
+    def __call__(self, cand: Candidate) -> concurrent.futures.Future:
+        """Start evaluating a candidate: a future of its record. A pruned candidate's is
+        ready at once; a compile runs on the pool (or here, when there is none)."""
+        record = self.prune(cand) if self.s.prune_by_memory else None
+        if record is not None:
             self.log(cand, record)
-            yield record
-
-    def compile(self, cfgs: Sequence[DictConfig]):
+            return done(record)
+        cfg = with_overrides(self.base, cand.overrides(self.moe))
         if self.pool is not None:
-            yield from self.pool.compile(cfgs, self.chip, self.s.hbm_margin)
-            return
-        for cfg in cfgs:
+            raw = self.pool.submit(cfg, self.chip, self.s.hbm_margin)
+        else:
             compiled = aot.compile_step(cfg, self.devices, self.chip, self.s.hbm_margin)
-            yield compiled.record(), compiled.hlo_text
+            raw = done((compiled.record(), compiled.hlo_text))
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finish(compiled: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(self.finish(cand, cfg, *compiled.result()))
+            except BaseException as err:  # noqa: BLE001  (handed to whoever waits)
+                out.set_exception(err)
+
+        raw.add_done_callback(finish)
+        return out
+
+    def finish(self, cand: Candidate, cfg: DictConfig, record: dict[str, Any], text: str
+               ) -> dict[str, Any]:
+        if text:  # kept, so a better profiler can re-read it without compiling
+            record["hlo_file"] = save_hlo(self.out_dir, cand, text)
+        if self.s.measure and record["feasible"]:
+            record["measured_step_s"] = self.measure(cfg)
+        self.log(cand, record)
+        return record
 
     def measure(self, cfg: DictConfig) -> float:
         import gin

@@ -162,7 +162,7 @@ def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir
         storage=f"sqlite:///{out_dir / STUDY_DB}", load_if_exists=True,
         sampler=search.make_sampler(s.search, s.seed, s.n_trials))
     return search.optimize(cands, cache, evaluator, s.n_trials, study, s.max_compiles,
-                           batch=workers), None
+                           workers=workers), None
 
 
 def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> dict[str, Any]:

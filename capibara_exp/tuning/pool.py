@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -70,10 +69,8 @@ class CompilePool:
     def __exit__(self, *exc: Any) -> None:
         self.executor.shutdown(cancel_futures=True)
 
-    def compile(self, cfgs: Sequence[DictConfig], chip: Any, hbm_margin: float
-                ) -> Iterator[tuple[dict[str, Any], str]]:
-        """(record, HLO text) of each config, in order, compiled `workers` at a time."""
-        futures = [self.executor.submit(_compile, OmegaConf.to_container(c, resolve=True),
-                                        chip, hbm_margin) for c in cfgs]
-        for future in futures:
-            yield future.result()
+    def submit(self, cfg: DictConfig, chip: Any, hbm_margin: float
+               ) -> concurrent.futures.Future:
+        """Compile a config on the next free worker: a future of (record, HLO text)."""
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        return self.executor.submit(_compile, plain, chip, hbm_margin)

@@ -6,17 +6,18 @@ cached by candidate.
 Each distinct candidate costs one compile (tens of seconds to minutes for a real model),
 so the unit of cost is a compile, not a trial: a trial that proposes a candidate already
 compiled reuses its result, and one the memory bound rules out (`pruned` in its record)
-costs no compile. With a compile pool the study asks for as many trials as there are
-workers at once (TPE's constant liar keeps them apart) and compiles them together.
+costs no compile. With a compile pool the study keeps one trial running per worker, asking
+for the next as soon as one finishes (TPE's constant liar keeps running trials apart).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,9 @@ class Result:
         return float(self.record.get(OBJECTIVE, 0.0)) if self.feasible else 0.0
 
 
-# Records of a batch of candidates, in order, each as soon as it is known (the batch is
-# compiled together where a pool allows).
-Evaluate = Callable[[Sequence[Candidate]], Iterable[dict[str, Any]]]
+# Starts evaluating a candidate: a future of its record (compiled by a pool worker, or
+# ready at once when the memory bound rules it out or there is no pool).
+Evaluate = Callable[[Candidate], concurrent.futures.Future]
 
 
 class Cache:
@@ -73,17 +74,15 @@ class Cache:
                 json.dumps({"candidate": dataclasses.asdict(c), "record": r.record}) + "\n"
                 for c, r in self.results.items()))
 
-    def get_many(self, cands: Sequence[Candidate], evaluate: Evaluate) -> list[Result]:
-        """Each candidate's result, evaluating the ones not cached in one batch; each new
-        result is written to the file as it arrives, so an interrupted batch loses none."""
-        todo = list(dict.fromkeys(c for c in cands if c not in self.results))
-        for cand, record in zip(todo, evaluate(todo) if todo else [], strict=True):
-            self.results[cand] = Result(cand, record)
-            if self.path:
-                with self.path.open("a") as f:
-                    f.write(json.dumps({"candidate": dataclasses.asdict(cand),
-                                        "record": record}) + "\n")
-        return [self.results[c] for c in cands]
+    def put(self, cand: Candidate, record: dict[str, Any]) -> Result:
+        """Keep a new result, in memory and at the end of the file (so a search that is
+        interrupted loses no compile that finished)."""
+        self.results[cand] = Result(cand, record)
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"candidate": dataclasses.asdict(cand),
+                                    "record": record}) + "\n")
+        return self.results[cand]
 
 
 # The candidate's parts the study samples, each as an index into its sorted values, so TPE
@@ -167,10 +166,17 @@ def _nearest(cand: Candidate, others: Sequence[Candidate], space: dict[str, list
     return draw.choice([c for c in others if steps(c) == closest])
 
 
+def _ready(result: Result) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
+
+
 def _trials(cands: Sequence[Candidate], study: optuna.Study,
-            results_of: Callable[[Sequence[Candidate]], list[Result]], more: Callable[[], bool],
-            batch: int = 1) -> Iterator[Result]:
-    """Ask up to `batch` trials, evaluate their candidates together, tell; while `more()`.
+            submit: Callable[[Candidate], concurrent.futures.Future],
+            more: Callable[[int], bool], workers: int = 1) -> Iterator[Result]:
+    """Keep `workers` trials running: ask, submit the candidate, and tell each as its result
+    arrives (a future of a Result); while `more(trials running)`.
 
     A trial that lands on a candidate the study has already met costs nothing but says
     nothing new either: the study is then told to try next the unmet candidate nearest to
@@ -179,56 +185,87 @@ def _trials(cands: Sequence[Candidate], study: optuna.Study,
     space, table = _space(cands), _table(cands)
     met = {c for c in (_lookup(cands, _decode(t.params, space)) for t in study.trials) if c}
     draw = random.Random(len(study.trials))
-    while more():
-        asked = []
-        while len(asked) < batch and more():
+    running: list[tuple[concurrent.futures.Future, optuna.Trial, Candidate]] = []
+    while True:
+        while len(running) < workers and more(len(running)):
             trial = study.ask()
             parts = _suggest(trial, space)
             cand = table.get(tuple(parts[p] for p in PARTS))
             if cand is None:
                 _tell(study, trial, None)
                 continue
-            if cand in met or cand in (c for _, c in asked):
-                unmet = [c for c in cands if c not in met and c not in (a for _, a in asked)]
+            pending = {c for _, _, c in running}
+            if cand in met or cand in pending:
+                unmet = [c for c in cands if c not in met and c not in pending]
                 if unmet:
                     near = _nearest(cand, unmet, space, draw)
                     study.enqueue_trial({p: space[p].index(getattr(near, p))
                                          for p in PARTS if len(space[p]) > 1})
-            asked.append((trial, cand))
-        results = results_of([c for _, c in asked]) if asked else []
-        for (trial, cand), result in zip(asked, results, strict=True):
+            same = next((f for f, _, c in running if c == cand), None)
+            running.append((same or submit(cand), trial, cand))
+        if not running:
+            return
+        finished, _ = concurrent.futures.wait([f for f, _, _ in running],
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+        for entry in [e for e in running if e[0] in finished]:
+            running.remove(entry)
+            future, trial, cand = entry
             met.add(cand)
-            _tell(study, trial, result)
-            yield result
+            _tell(study, trial, future.result())
+            yield future.result()
+
+
+def _submitter(cache: Cache, evaluate: Evaluate, on_compile: Callable[[Result], None]
+               ) -> Callable[[Candidate], concurrent.futures.Future]:
+    """submit() for _trials: a cached result at once, else the evaluation's, kept in the
+    cache when it arrives."""
+    def submit(cand: Candidate) -> concurrent.futures.Future:
+        if cand in cache.results:
+            return _ready(cache.results[cand])
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def keep(future: concurrent.futures.Future) -> None:
+            try:
+                result = cache.put(cand, future.result())
+                on_compile(result)
+                out.set_result(result)
+            except BaseException as err:  # noqa: BLE001  (handed to whoever waits)
+                out.set_exception(err)
+
+        evaluate(cand).add_done_callback(keep)
+        return out
+
+    return submit
 
 
 def optimize(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate, n_trials: int,
-             study: optuna.Study, max_compiles: int | None = None, batch: int = 1
+             study: optuna.Study, max_compiles: int | None = None, workers: int = 1
              ) -> list[Result]:
     """Run trials until the study has told n_trials (a re-run continues) or max_compiles new
-    compiles were spent; return the results in the order the study met them."""
+    compiles were spent, `workers` at a time; return the results in the order the study
+    met them."""
     space = _space(cands)
     order = [cache.results[c] for c in (_lookup(cands, _decode(t.params, space))
                                         for t in study.trials if t.params)
              if c in cache.results]
     compiles = 0
 
-    def results_of(batch_cands: Sequence[Candidate]) -> list[Result]:
+    def count(result: Result) -> None:
         nonlocal compiles
-        fresh = {c for c in batch_cands if c not in cache.results}
-        results = cache.get_many(batch_cands, evaluate)
-        compiles += sum(r.compiled for r in results if r.candidate in fresh)
-        return results
+        compiles += result.compiled
 
-    def more() -> bool:
-        return told(study) < n_trials and (max_compiles is None or compiles < max_compiles)
+    def more(running: int) -> bool:
+        return (told(study) + running < n_trials
+                and (max_compiles is None or compiles + running < max_compiles))
 
-    order += list(_trials(cands, study, results_of, more, batch))
+    order += list(_trials(cands, study, _submitter(cache, evaluate, count), more, workers))
     return order
 
 
 def exhaustive(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate) -> list[Result]:
-    return cache.get_many(cands, evaluate)
+    """Every candidate: all submitted at once (a pool compiles them as workers free up)."""
+    submit = _submitter(cache, evaluate, lambda result: None)
+    return [future.result() for future in [submit(c) for c in cands]]
 
 
 def best(results: Sequence[Result]) -> Result | None:
@@ -251,8 +288,8 @@ def compiles_to_optimum(cands: Sequence[Candidate], table: dict[Candidate, Resul
                                     sampler=make_sampler(sampler, seed, max_trials))
         seen: set[Candidate] = set()
         found = None
-        for result in _trials(cands, study, lambda cs: [table[c] for c in cs],
-                              lambda: told(study) < max_trials):  # noqa: B023
+        for result in _trials(cands, study, lambda c: _ready(table[c]),  # noqa: B023
+                              lambda running: told(study) + running < max_trials):  # noqa: B023
             if result.compiled:
                 seen.add(result.candidate)
             if math.isclose(result.value, optimum.value, rel_tol=1e-12):
