@@ -62,8 +62,9 @@ def base_planner_run(out: Path, trials: int, fresh: bool) -> None:
     rows = results["results"]
     compiled = [r for r in rows if not r.get("pruned")]
     pruned = len(rows) - len(compiled)
-    single = statistics.median(r["compile_s"] for r in compiled if r["feasible"]) if any(
-        r["feasible"] for r in compiled) else float("nan")
+    feasible = [r for r in compiled if r["feasible"]] or compiled
+    single = statistics.median(r["compile_s"] for r in feasible)
+    cpu = statistics.median(r.get("compile_cpu_s", float("nan")) for r in feasible)
     per_candidate = results["wall_s"] / max(len(compiled), 1)
     print(f"moe_e2b_base on {results['devices']} ({results['space_size']} candidates; load "
           f"average {load:.1f} at the start): TPE met {len(rows)} distinct candidates in "
@@ -75,9 +76,10 @@ def base_planner_run(out: Path, trials: int, fresh: bool) -> None:
                   f" ms, MFU {row['est_mfu']:.1%}" if row["feasible"] else row["reason"][:70])
         print(f"  {row['candidate']}: compile {row.get('compile_s', 0):.0f} s; {status}")
     verdict = "PASS" if per_candidate <= COMPILE_GOAL_S else "FAIL"
-    print(f"  one compile (median of the feasible ones): {single:.0f} s; planner wall time per "
-          f"compiled candidate {per_candidate:.0f} s ({single / per_candidate:.2f}x one at a "
-          f"time); goal <= {COMPILE_GOAL_S:.0f} s: {verdict}")
+    print(f"  one compile (median of the feasible ones): {single:.0f} s wall, {cpu:.0f} s of CPU; "
+          f"planner wall time per compiled candidate {per_candidate:.0f} s "
+          f"({single / per_candidate:.2f}x one at a time); goal <= {COMPILE_GOAL_S:.0f} s: "
+          f"{verdict}")
     if results.get("best"):
         print(f"  best: {results['best']['candidate']}, est MFU {results['best']['est_mfu']:.1%}")
 
@@ -111,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_tune_mesh"))
     parser.add_argument("--base-trials", type=int, default=24)
-    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--seeds", type=int, default=100)
     parser.add_argument("--skip-base", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="recompile part 1's candidates")
     args = parser.parse_args()

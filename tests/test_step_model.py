@@ -304,5 +304,8 @@ def test_the_calibrated_model_predicts_each_published_point_from_the_other_three
     fitted = calibration.fit(points, chip)
     for name in calibration.FIT_PARAMETERS:
         assert getattr(fitted, name) == pytest.approx(calibration.FITTED[name], abs=5e-3), name
-    datasheet = [p.estimated_mfu(chip, estimate.DATASHEET) for p in points]
-    assert all(p.estimated_mfu(chip, fitted) < d for p, d in zip(points, datasheet, strict=True))
+    def rms(model):
+        return np.sqrt(np.mean([np.log(p.estimated_mfu(chip, model) / p.published.mfu) ** 2
+                                for p in points]))
+
+    assert rms(fitted) < 0.5 * rms(estimate.DATASHEET)  # the fit explains most of the gap

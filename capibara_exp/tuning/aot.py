@@ -39,7 +39,8 @@ class Compiled:
 
     feasible: bool
     reason: str  # why not, or "" when feasible
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # wall clock
+    compile_cpu_s: float = 0.0  # CPU time of this process (XLA's compile threads included)
     memory_bytes: float = 0.0  # per chip: XLA's peak, or what the OOM message says it needs
     model_flops: float = 0.0  # per chip per step, PaLM's analytic count
     xla_flops: float = 0.0  # cost_analysis()'s figure, for comparison (loops counted once)
@@ -140,24 +141,25 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
         return Compiled(False, f"invalid: {_one_line(err)}")
     finally:
         gin.clear_config(clear_constants=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises XlaRuntimeError (and others) for OOM and failures
         message = _one_line(err)
         if _OOM_RE.search(message):
             return Compiled(False, f"out of HBM: {message}", time.perf_counter() - t0,
-                            oom_bytes(message))
-        return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0)
-    compile_s = time.perf_counter() - t0
+                            time.process_time() - cpu0, oom_bytes(message))
+        return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0,
+                        time.process_time() - cpu0)
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     memory = memory_per_chip(compiled)
     text = compiled.as_text()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else {}
     fields = profile_fields(text, len(devices), chip, model_flops, coords)
-    result = Compiled(True, "", compile_s, memory, model_flops, float(cost.get("flops", 0.0)),
-                      {**fields, "device_coords": coords}, text)
+    result = Compiled(True, "", compile_s, compile_cpu_s, memory, model_flops,
+                      float(cost.get("flops", 0.0)), {**fields, "device_coords": coords}, text)
     budget = (1.0 - hbm_margin) * chip.hbm_bytes
     if memory > budget:
         result.feasible = False
