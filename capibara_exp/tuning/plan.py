@@ -161,6 +161,10 @@ def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir
         study_name=f"mesh:{cfg.name}:{cfg.topology}", direction="maximize",
         storage=f"sqlite:///{out_dir / STUDY_DB}", load_if_exists=True,
         sampler=search.make_sampler(s.search, s.seed, s.n_trials))
+    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        # A trial still running in the storage belonged to a planner that was stopped: its
+        # compile is gone (and cached if it finished), so the study should not wait on it.
+        study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
     return search.optimize(cands, cache, evaluator, s.n_trials, study, s.max_compiles,
                            workers=workers), None
 
