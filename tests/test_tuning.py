@@ -137,12 +137,23 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
     assert all(t.value == 0.0 for t in infeasible)
     more = search.optimize(cands, fresh, records, 20, study())
     assert search.told(study()) == 20 and more[:len(first)] == first
-    # Three trials at a time on a pool whose results come back out of order: each candidate
-    # is compiled at most once, and every trial is told.
+    found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
+    assert all(n is not None and 1 <= n <= len(cands) for n in found)
+
+
+def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
+    """Three trials at a time on a pool whose results come back out of order: each candidate
+    is compiled at most once, every trial is told, and every compile is cached."""
     import concurrent.futures
     import random
     import time
 
+    import optuna
+
+    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+                             num_microbatches=[1, 2], remat_policies=["none", "full"],
+                             fsdp=[False, True])
+    table = _table(cands)
     submitted = []
     jitter = random.Random(0)
 
@@ -153,15 +164,13 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
 
     with concurrent.futures.ThreadPoolExecutor(3) as workers:
         pooled = search.Cache(tmp_path / "pooled.jsonl")
-        storage3 = f"sqlite:///{tmp_path / 'pooled.db'}"
-        study3 = optuna.create_study(storage=storage3, direction="maximize",
-                                     sampler=search.make_sampler("tpe", 1, 30))
-        got = search.optimize(cands, pooled, slow, 30, study3, workers=3)
-    assert search.told(study3) == 30 and 0 < len(got) <= 30  # invalid combinations yield none
+        study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'pooled.db'}",
+                                    direction="maximize",
+                                    sampler=search.make_sampler("tpe", 1, 30))
+        got = search.optimize(cands, pooled, slow, 30, study, workers=3)
+    assert search.told(study) == 30 and 0 < len(got) <= 30  # invalid combinations yield none
     assert len(submitted) == len(set(submitted)) == len(pooled.results)
     assert len(search.Cache(tmp_path / "pooled.jsonl").results) == len(pooled.results)
-    found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
-    assert all(n is not None and 1 <= n <= len(cands) for n in found)
 
 
 @needs_libtpu

@@ -337,7 +337,11 @@ class Decoder(nn.Module):
         x_BxLxD = RMSNorm(dtype, name="decoder_norm")(x_BxLxD)
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "output_dropout")
 
-        # Logits in float32 for a stable softmax, as T5X's decoder-only network does.
+        return self.logits(x_BxLxD, embedder)
+
+    def logits(self, x_BxLxD, embedder: Embed):
+        """Float32 logits for a stable softmax, as T5X's decoder-only network computes them."""
+        c = self.config
         if c.logits_via_embedding:
             logits_BxLxV = embedder.attend(x_BxLxD) / jnp.sqrt(c.emb_dim)
         else:

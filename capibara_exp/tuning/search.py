@@ -175,8 +175,8 @@ def _ready(result: Result) -> concurrent.futures.Future:
 def _trials(cands: Sequence[Candidate], study: optuna.Study,
             submit: Callable[[Candidate], concurrent.futures.Future],
             more: Callable[[int], bool], workers: int = 1) -> Iterator[Result]:
-    """Keep `workers` trials running: ask, submit the candidate, and tell each as its result
-    arrives (a future of a Result); while `more(trials running)`.
+    """Keep `workers` compiles running: ask, submit the candidate, and tell each trial as its
+    result arrives (a future of a Result); while `more(trials running)`.
 
     A trial that lands on a candidate the study has already met costs nothing but says
     nothing new either: the study is then told to try next the unmet candidate nearest to
@@ -186,8 +186,11 @@ def _trials(cands: Sequence[Candidate], study: optuna.Study,
     met = {c for c in (_lookup(cands, _decode(t.params, space)) for t in study.trials) if c}
     draw = random.Random(len(study.trials))
     running: list[tuple[concurrent.futures.Future, optuna.Trial, Candidate]] = []
+    def busy() -> int:  # compiles in flight (a repeat or a cached result takes no worker)
+        return len({f for f, _, _ in running if not f.done()})
+
     while True:
-        while len(running) < workers and more(len(running)):
+        while busy() < workers and more(len(running)):
             trial = study.ask()
             parts = _suggest(trial, space)
             cand = table.get(tuple(parts[p] for p in PARTS))
