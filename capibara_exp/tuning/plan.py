@@ -26,7 +26,6 @@ from capibara_exp.tuning.evaluate import Evaluator
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
 STUDY_DB = "mesh_study.db"
 CACHE = "candidates.jsonl"
-HLO_DIR = "hlo"
 
 
 def experiment_config(cfg: DictConfig) -> DictConfig:
@@ -56,8 +55,10 @@ def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
 
 
 def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) -> int:
-    """Bring results of an older profiler up to date: re-read their saved HLO, or, where none
-    was kept, drop them so they compile again. Returns how many were re-read."""
+    """Bring results of an older profiler or other model constants up to date: re-read their
+    saved HLO, or, where none was kept, drop them so they compile again. Returns how many
+    were re-read. (A result kept before device coordinates were recorded is re-read as if
+    every group ran along one torus axis.)"""
     stale = [r for r in cache.results.values() if r.record.get("feasible") and (
         r.record.get("profile_version") != profile.PROFILE_VERSION
         or r.record.get("step_model") != aot.step_model_id())]
