@@ -1,5 +1,11 @@
 """Config CI: every shipped experiment's train step compiles for the topology it declares,
-through the path a run takes (gin from conf/, the trainer's jitted step), ahead of time."""
+through the path a run takes (gin from conf/, the trainer's jitted step), ahead of time; the
+splash-attention kernel compiles for v5e.
+
+MaxText's published configurations (conf/experiment/maxtext_v5e_*.yaml, 16B-128B on
+v5e-256) take 1-4 minutes each to compile here; their kept HLO (bench/calibration/, from
+`python bench/calibrate.py --compile`) is checked against the shipped experiments in
+tests/test_step_model.py instead of compiling them on every run."""
 
 from __future__ import annotations
 
@@ -9,27 +15,33 @@ import sys
 import jax
 import pytest
 
-from capibara_exp.tuning import aot, topology
+from capibara_exp import topologies
+from capibara_exp.tuning import aot, calibration, profile, topology
 from capibara_exp.tuning.measure import local_chip
 from tests.conftest import EXPERIMENTS, compose_config
 
 LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+CALIBRATION = {p.experiment for p in calibration.PUBLISHED}
+COMPILED = [name for name in EXPERIMENTS if name not in CALIBRATION]
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+def tpu_target(name: str):
+    if not LIBTPU_PLATFORM:
+        pytest.skip(f"compiling for {name} needs libtpu, published for Linux x86_64 only "
+                    f"(this is {sys.platform} {platform.machine()})")
+    assert topology.libtpu_installed(), topology.INSTALL_HINT
+    target = topologies.get(name)
+    return topology.devices(target), target.chip
+
+
+@pytest.mark.parametrize("name", COMPILED)
 def test_experiment_compiles_for_its_topology(name):
     cfg = compose_config([f"experiment={name}"])
     if cfg.topology == "cpu":
         devices = jax.devices()
         chip = local_chip(devices, cfg.model.dtype)
     else:
-        if not LIBTPU_PLATFORM:
-            pytest.skip(f"{name} declares {cfg.topology}: compiling for TPUs needs libtpu, "
-                        f"published for Linux x86_64 only (this is {sys.platform} "
-                        f"{platform.machine()})")
-        assert topology.libtpu_installed(), topology.INSTALL_HINT
-        target = topology.get(cfg.topology)
-        devices, chip = topology.devices(target), target.chip
+        devices, chip = tpu_target(cfg.topology)
     compiled = aot.compile_step(cfg, devices, chip, hbm_margin=0.05)
     assert compiled.feasible, compiled.reason
     assert 0 < compiled.memory_bytes <= 0.95 * chip.hbm_bytes
@@ -37,3 +49,20 @@ def test_experiment_compiles_for_its_topology(name):
     record = compiled.record()
     assert record["flops"] >= 0.95 * record["model_flops"] > 0
     assert 0 < record["est_mfu"] < 1
+
+
+def test_splash_attention_compiles_for_v5e():
+    """A small rope decoder with model.attention=splash, compiled for v5e-4 through the run's
+    path: the step holds the kernel's forward and both backward custom calls, and the
+    profile counts their FLOPs (the step does at least the model's FLOPs)."""
+    devices, chip = tpu_target("v5e-4")
+    cfg = compose_config(["model.attention=splash", "model.position_embedding=rope",
+                          "model.head_dim=128", "model.num_heads=2", "model.dtype=bfloat16",
+                          "data.task_feature_lengths={targets: 512}", "data.batch_size=8",
+                          "partitioning.num_partitions=2", "topology=v5e-4"])
+    compiled = aot.compile_step(cfg, devices, chip, hbm_margin=0.05)
+    assert compiled.feasible, compiled.reason
+    for kernel in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+        assert kernel in compiled.hlo_text, kernel
+    step = profile.profile(compiled.hlo_text, len(devices))
+    assert step.flops >= compiled.model_flops > 0

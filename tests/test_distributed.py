@@ -118,8 +118,9 @@ def test_tpu_vm_dry_run_writes_the_launch_script(tmp_path, runtime):
     gin_text = (tmp_path / "run" / "config.gin").read_text()
     header = "from t5x import utils" if runtime == "t5x" else "runtime import config as utils"
     assert header in gin_text
-    # v5e-64: 64 chips on 8 hosts, one command on every worker, the same gin, shared dirs.
-    assert "--accelerator-type=v5litepod-64" in script and "8 worker host(s)" in script
+    # v5e-64: 64 chips on 16 TPU VMs of 4 chips (as libtpu describes the slice), one command
+    # on every worker, the same gin, shared dirs.
+    assert "--accelerator-type=v5litepod-64" in script and "16 worker host(s)" in script
     lines = [line for line in script.splitlines() if line.startswith("gcloud")]
     assert len(lines) == 3 and all("--worker=all" in line for line in lines)
     assert "scp" in lines[1] and str(tmp_path / "run" / "config.gin") in lines[1]

@@ -221,3 +221,77 @@ def test_config_accepts_lists_from_gin_and_yaml() -> None:
 def test_config_errors_name_the_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=f"DecoderConfig.{field}"):
         DecoderConfig(**{**SIZES, field: value})
+
+
+def _qkv_and_masks(seed: int, packed: bool):
+    """Random q, k, v [B, L, H, K] and target tokens with padding (and two packed segments)."""
+    from capibara_exp.nets.decoder import decoder_mask
+
+    batch, length, heads, head_dim = 2, 256, 2, 64
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+               for _ in range(3))
+    tokens = rng.integers(1, 50, (batch, length))
+    tokens[0, 200:] = 0  # padding
+    segments = None
+    if packed:
+        segments = np.ones((batch, length), np.int32)
+        segments[1, 100:] = 2
+        segments[1, 250:] = 0
+        tokens[1, 250:] = 0
+        segments = jnp.asarray(segments)
+    tokens = jnp.asarray(tokens)
+    return (q, k, v), tokens, segments, decoder_mask(tokens, segments)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool) -> None:
+    """JAX's Pallas splash kernel (run by the Pallas interpreter on CPU) against the dot
+    reference on every real position: outputs and the gradients of q, k and v."""
+    from capibara_exp.nets import attention
+
+    qkv, tokens, segments, mask = _qkv_and_masks(int(packed), packed)
+    real = np.asarray(tokens > 0)[:, :, None, None]
+    kernel_segments = attention.segments_for_splash(tokens, segments)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v), 0.0) ** 2)
+
+    def dot(q, k, v):
+        return attention.dot_attention(q, k, v, mask)
+
+    def splash(q, k, v):
+        return attention.splash_attention(q, k, v, kernel_segments, interpret=True)
+
+    want, got = jax.jit(dot)(*qkv), jax.jit(splash)(*qkv)
+    assert float(jnp.max(jnp.abs(jnp.where(real, want - got, 0.0)))) < 1e-5
+    grads_want = jax.jit(jax.grad(loss(dot), argnums=(0, 1, 2)))(*qkv)
+    grads_got = jax.jit(jax.grad(loss(splash), argnums=(0, 1, 2)))(*qkv)
+    for name, a, b in zip("qkv", grads_want, grads_got, strict=True):
+        scale = float(jnp.max(jnp.abs(a)))
+        assert scale > 1.0 and float(jnp.max(jnp.abs(a - b))) < 1e-5 * scale, name
+
+
+@pytest.mark.slow
+def test_splash_config_runs_dot_attention_off_tpu_and_names_what_it_cannot_do() -> None:
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 128), 1, SIZES["vocab_size"])
+    configs = {a: DecoderConfig(**SIZES, position_embedding="rope", attention=a)
+               for a in ("dot", "splash")}
+    variables = jax.jit(functools.partial(Decoder(configs["dot"]).init, enable_dropout=False))(
+        jax.random.PRNGKey(0), tokens, tokens)
+    out = {a: np.asarray(jax.jit(functools.partial(Decoder(c).apply, enable_dropout=False))(
+        variables, tokens, tokens)) for a, c in configs.items()}
+    np.testing.assert_array_equal(out["splash"], out["dot"])  # lowered for CPU: dot itself
+    with pytest.raises(ValueError, match="needs position_embedding='rope'"):
+        DecoderConfig(**SIZES, attention="splash")
+    with pytest.raises(ValueError, match="attention probabilities; set dropout_rate=0"):
+        DecoderConfig(**SIZES, position_embedding="rope", attention="splash", dropout_rate=0.1)
+    with pytest.raises(ValueError, match="DecoderConfig.attention"):
+        DecoderConfig(**SIZES, attention="flash")
+    splash = Decoder(configs["splash"])
+    with pytest.raises(ValueError, match="sequence length 12 must be a multiple of 128"):
+        splash.init(jax.random.PRNGKey(0), tokens_of(0), tokens_of(0), enable_dropout=False)
+    with pytest.raises(ValueError, match="prefix-LM mask\\) needs DecoderConfig.attention='dot'"):
+        splash.apply(variables, tokens, tokens, decoder_causal_attention=tokens > 0,
+                     enable_dropout=False)

@@ -1,4 +1,6 @@
-"""The mesh planner: HLO profile, step-time model, search space, Optuna search, outputs."""
+"""The mesh planner: search space, Optuna search, memory pruning, outputs, the CLI.
+
+The HLO profile, the step-time model and its calibration: tests/test_step_model.py."""
 
 from __future__ import annotations
 
@@ -8,14 +10,10 @@ import platform
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from capibara_exp.tuning import estimate, hlo, search, space, topology
+from capibara_exp import topologies
+from capibara_exp.tuning import search, space, topology
 
 LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_libtpu = pytest.mark.skipif(
@@ -23,92 +21,25 @@ needs_libtpu = pytest.mark.skipif(
     reason=f"libtpu is published for Linux x86_64 only, not {sys.platform} {platform.machine()}")
 
 
+def memory_bounds(overrides: list[str], devices: list, cands: list) -> dict:
+    """tuning/memory.py's lower bound of each candidate of the composed experiment."""
+    import gin
+    from capibara_exp.tuning import aot, evaluate, memory
+    from tests.conftest import compose_config
+
+    cfg = compose_config(overrides)
+    try:
+        shapes = memory.shapes_of(aot.train_bindings(aot.render_local_gin(cfg), devices),
+                                  cfg.model)
+    finally:
+        gin.clear_config(clear_constants=True)
+    moe = "num_experts" in cfg.model
+    return {c: memory.lower_bound(shapes, c, evaluate.rules_for(c, moe)) for c in cands}
+
+
 def tpu_devices(name: str = "v5e-4") -> list:
     assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
-    return topology.devices(topology.get(name))
-
-
-def test_matmul_flops_and_loop_trip_counts_on_cpu():
-    def chain(x_BxD, w_DxF, v_FxD):
-        return jnp.tanh(x_BxD @ w_DxF) @ v_FxD
-
-    def scanned(x_BxD, w_DxF, v_FxD):
-        def body(x, _):
-            return chain(x, w_DxF, v_FxD), None
-
-        return jax.lax.scan(body, x_BxD, None, length=5)[0]
-
-    args = (jnp.ones((32, 64)), jnp.ones((64, 128)), jnp.ones((128, 64)))
-    one = 2 * 32 * 64 * 128 * 2  # two matmuls
-    compiled = jax.jit(chain).lower(*args).compile()
-    assert hlo.profile(compiled.as_text(), 1).flops == one
-    looped = jax.jit(scanned).lower(*args).compile()
-    profile = hlo.profile(looped.as_text(), 1)
-    assert profile.flops == 5 * one  # XLA's cost_analysis counts the body once
-    assert looped.cost_analysis()["flops"] < 2 * one
-    assert profile.hbm_bytes > 5 * 4 * (32 * 64)  # at least the carry, read each iteration
-
-
-def test_a_scan_over_stacked_weights_reads_each_layer_once():
-    layers, d = 16, 256
-    w = jnp.ones((layers, d, d))
-
-    def scanned(x_BxD, w_LxDxD):
-        return jax.lax.scan(lambda x, w_DxD: (jnp.tanh(x @ w_DxD), None), x_BxD, w_LxDxD)[0]
-
-    profile = hlo.profile(jax.jit(scanned).lower(jnp.ones((8, d)), w).compile().as_text(), 1)
-    layer_bytes = d * d * 4
-    # Each iteration reads its layer's slice (the CPU backend copies it out, then the dot
-    # reads the copy: about 3 layers' bytes), not the whole stack (16 layers' bytes).
-    assert 2 * layers * layer_bytes <= profile.hbm_bytes < 4 * layers * layer_bytes
-    assert profile.flops == layers * 2 * 8 * d * d
-
-
-@needs_libtpu
-def test_tpu_einsums_and_collectives_are_counted():
-    devices = tpu_devices("v5e-4")
-    mesh = Mesh(np.asarray(devices).reshape(2, 2), ("data", "model"))
-
-    def step(x_BxLxD, w_DxF):
-        h_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, w_DxF)
-        scores_BxLxL = jnp.einsum("blf,bmf->blm", h_BxLxF, h_BxLxF)  # a batched einsum
-        return jnp.sum(jnp.tanh(scores_BxLxL))  # tanh: no algebraic shortcut for XLA
-
-    x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P("data", None, None)))
-    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P(None, "model")))
-    compiled = jax.jit(step).lower(x, w).compile()
-    profile = hlo.profile(compiled.as_text(), 4)
-    # Per device: 4 of 8 rows, 512 of 1024 features (the scores contract over features, so
-    # each device computes partial scores that an all-reduce over 'model' adds up).
-    want = 2 * 4 * 256 * 512 * 512 + 2 * 4 * 256 * 256 * 512
-    assert profile.flops == want
-    reduces = [c for c in profile.collectives if c.opcode == "all-reduce"]
-    assert reduces and all(c.group_size in (2, 4) for c in reduces)
-    chip = topology.V5E
-    seconds = estimate.collective_seconds(reduces[0], chip)
-    ring = 2 * chip.link_bytes_per_s
-    g = reduces[0].group_size
-    assert seconds == pytest.approx(2 * (g - 1) / g * reduces[0].bytes / ring
-                                    + estimate.COLLECTIVE_LATENCY_S)
-
-
-def test_step_estimate_is_a_per_op_roofline_plus_collectives():
-    chip = topology.Chip("test", peak_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
-                         ici_bytes_per_s=40.0, ici_ports=2)
-    profile = hlo.StepProfile(
-        flops=0, hbm_bytes=0,
-        collectives=[hlo.Collective("all-gather", 20.0, 4, 2.0),
-                     hlo.Collective("all-reduce", 8.0, 1, 1.0)],  # one device: free
-        ops=[(1000.0, 10.0, 1.0),  # compute-bound: 10 s
-             (10.0, 100.0, 3.0)])  # memory-bound: 10 s, three times
-    est = estimate.estimate(profile, chip, model_flops_per_chip=1000.0)
-    gather = 0.75 * 20.0 / (2 * chip.link_bytes_per_s) + estimate.COLLECTIVE_LATENCY_S
-    assert est.roofline_s == pytest.approx(10.0 + 30.0)
-    assert est.collective_s == pytest.approx(2 * gather)
-    assert est.step_s == pytest.approx(40.0 + 2 * gather)
-    assert est.mfu == pytest.approx(1000.0 / (est.step_s * 100.0))
+    return topology.devices(topologies.get(name))
 
 
 def test_candidates_divide_the_chips_heads_experts_and_batch():
@@ -127,6 +58,31 @@ def test_candidates_divide_the_chips_heads_experts_and_batch():
         space.candidates(8, 4, None, 16, remat_policies=["some"])
 
 
+def test_attention_is_searched_where_the_model_can_take_splash():
+    from capibara_exp.errors import ConfigError
+    from capibara_exp.tuning import plan
+    from tests.conftest import compose_config
+
+    def attentions(*overrides, local=False):
+        return plan.attentions(compose_config(["+tune_mesh=default", *overrides]), local)
+
+    rope = ["model.position_embedding=rope", "data.task_feature_lengths={targets: 512}"]
+    assert attentions() == ["dot"]  # relative position bias: no splash
+    assert attentions(*rope) == ["dot", "splash"]
+    assert attentions(*rope, local=True) == ["dot"]  # off TPU splash is dot
+    assert attentions("model.position_embedding=rope",  # a length the blocks do not divide
+                      "data.task_feature_lengths={targets: 200}") == ["dot"]
+    with pytest.raises(ConfigError, match="lists splash, which this model cannot take: "
+                                          "model.position_embedding=relative"):
+        attentions("tune_mesh.attentions=[splash]")
+    with pytest.raises(ConfigError, match="'flash' is not one of"):
+        attentions(*rope, "tune_mesh.attentions=[flash]")
+    both = space.candidates(8, 4, None, 16, attentions=["dot", "splash"])
+    assert len(both) == 2 * len(space.candidates(8, 4, None, 16))
+    assert {c.attention for c in both} == {"dot", "splash"}
+    assert "model.attention=splash" in both[-1].overrides(moe=False)
+
+
 def _table(cands):
     """A synthetic result per candidate: a clear optimum, some infeasible."""
     table = {}
@@ -141,15 +97,17 @@ def _table(cands):
 def test_search_finds_the_optimum_and_resumes(tmp_path):
     import optuna
 
+    from capibara_exp.tuning import evaluate as evaluate_module
+
     cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
                              num_microbatches=[1, 2], remat_policies=["none", "full"],
                              fsdp=[False, True])
     table = _table(cands)
     compiled = []
 
-    def evaluate(c):
-        compiled.append(c)
-        return table[c].record
+    def evaluate(cand):
+        compiled.append(cand)
+        return evaluate_module.done(table[cand].record)
 
     cache = search.Cache(tmp_path / "candidates.jsonl")
     best_exhaustive = search.best(search.exhaustive(cands, cache, evaluate))
@@ -169,15 +127,50 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
                                    sampler=search.make_sampler("tpe", 0, 40))
 
     fresh = search.Cache(None)
-    first = search.optimize(cands, fresh, lambda c: table[c].record, 12, study())
+    def records(cand):
+        return evaluate_module.done(table[cand].record)
+
+    first = search.optimize(cands, fresh, records, 12, study())
     trials = study().trials
-    assert len(trials) == 12
+    assert search.told(study()) == 12
     infeasible = [t for t in trials if t.system_attrs.get("constraints:infeasible")]
     assert all(t.value == 0.0 for t in infeasible)
-    more = search.optimize(cands, fresh, lambda c: table[c].record, 20, study())
-    assert len(study().trials) == 20 and more[:len(first)] == first
+    more = search.optimize(cands, fresh, records, 20, study())
+    assert search.told(study()) == 20 and more[:len(first)] == first
     found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
     assert all(n is not None and 1 <= n <= len(cands) for n in found)
+
+
+def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
+    """Three trials at a time on a pool whose results come back out of order: each candidate
+    is compiled at most once, every trial is told, and every compile is cached."""
+    import concurrent.futures
+    import random
+    import time
+
+    import optuna
+
+    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+                             num_microbatches=[1, 2], remat_policies=["none", "full"],
+                             fsdp=[False, True])
+    table = _table(cands)
+    submitted = []
+    jitter = random.Random(0)
+
+    def slow(cand):
+        submitted.append(cand)
+        delay = jitter.uniform(0, 0.02)
+        return workers.submit(lambda: time.sleep(delay) or table[cand].record)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as workers:
+        pooled = search.Cache(tmp_path / "pooled.jsonl")
+        study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'pooled.db'}",
+                                    direction="maximize",
+                                    sampler=search.make_sampler("tpe", 1, 30))
+        got = search.optimize(cands, pooled, slow, 30, study, workers=3)
+    assert search.told(study) == 30 and 0 < len(got) <= 30  # invalid combinations yield none
+    assert len(submitted) == len(set(submitted)) == len(pooled.results)
+    assert len(search.Cache(tmp_path / "pooled.jsonl").results) == len(pooled.results)
 
 
 @needs_libtpu
@@ -208,12 +201,12 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     first = next(iter(cache.results.values()))
     want = dict(first.record)
     first.record.update(profile_version=0, est_step_s=-1.0)
-    assert plan.reprofile(cache, tmp_path / "plan", 4, topology.V5E) == 1
+    assert plan.reprofile(cache, tmp_path / "plan", 4, topologies.V5E) == 1
     assert first.record == want
     # Without its HLO, an older profiler's result is dropped, to be compiled again.
     first.record.update(profile_version=0)
     (tmp_path / "plan" / first.record["hlo_file"]).unlink()
-    assert plan.reprofile(cache, tmp_path / "plan", 4, topology.V5E) == 0
+    assert plan.reprofile(cache, tmp_path / "plan", 4, topologies.V5E) == 0
     assert first.candidate not in search.Cache(tmp_path / "plan" / plan.CACHE).results
     assert (tmp_path / "plan" / "mesh_report.png").stat().st_size > 10_000
     assert "| mesh data x expert x model |" in (tmp_path / "plan" / "mesh_report.md").read_text()
@@ -231,6 +224,11 @@ def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     assert composed["partitioning"]["num_partitions"] == int(mesh[2])
     mb = int(best["candidate"].split()[1].removeprefix("mb="))
     assert composed["trainer"]["num_microbatches"] == (mb if mb > 1 else None)
+    # The memory bound the planner prunes by is below what every compile needed.
+    bound = memory_bounds(["topology=v5e-4", "model.num_layers=1"], tpu_devices("v5e-4"),
+                          list(cache.results))
+    for cand, result in cache.results.items():
+        assert 0 < bound[cand] <= result.record["memory_bytes"], cand.key
 
 
 @pytest.mark.slow
@@ -251,6 +249,26 @@ def test_measured_mode_times_candidates_on_simulated_devices(tmp_path):
     agreement = results["measured_vs_estimated"]
     assert agreement["candidates"] == 4 and -1.0 <= agreement["spearman"] <= 1.0
     assert "measured vs estimated" in (tmp_path / "plan" / "mesh_report.md").read_text().lower()
+
+
+def test_candidates_over_the_memory_bound_cost_no_compile(tmp_path):
+    """A budget no step fits (hbm_margin 0.9999: 1.7 KB of HBM): every candidate is ruled
+    out by tuning/memory.py's bound, recorded infeasible without compiling, and the run
+    says no candidate is feasible."""
+    out = subprocess.run(
+        [sys.executable, "-m", "capibara_exp.cli.tune_mesh", "topology=v5e-4",
+         "tune_mesh.search=exhaustive", "tune_mesh.hbm_margin=0.9999",
+         f"tune_mesh.conf_dir={tmp_path / 'conf'}", "hydra.run.dir=plan"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no feasible candidate" in out.stderr
+    results = json.loads((tmp_path / "plan" / "mesh_results.json").read_text())
+    assert results["pruned"] == results["evaluated"] == results["space_size"] > 0
+    assert results["compiled"] == results["feasible"] == 0
+    for row in results["results"]:
+        assert row["pruned"] and row["compile_s"] == 0.0 and "hlo_file" not in row
+        assert "over HBM before compiling" in row["reason"]
+    assert not (tmp_path / "plan" / "hlo").exists()
 
 
 def test_tune_mesh_errors(tmp_path):

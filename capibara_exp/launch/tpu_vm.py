@@ -12,22 +12,28 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from capibara_exp import topologies
 from capibara_exp.errors import ConfigError
-from capibara_exp.tuning.topology import TOPOLOGIES, Topology
+from capibara_exp.topologies import Topology
 
 RUNTIMES = ("t5x", "local")
 SCRIPT = "launch_tpu_vm.sh"
 # The TPU VM software version for each chip (gcloud's --version).
 RUNTIME_VERSIONS = {"TPU v5 lite": "v2-alpha-tpuv5-lite", "TPU v6 lite": "v2-alpha-tpuv6e",
-                    "TPU v4": "tpu-ubuntu2204-base"}
+                    "TPU v5": "v2-alpha-tpuv5", "TPU v4": "tpu-ubuntu2204-base"}
 
 
 def check(cfg: Any) -> Topology:
     """The slice the experiment declares, and settings errors naming their keys."""
     e = cfg.engine
-    if cfg.topology not in TOPOLOGIES:
-        raise ConfigError(f"engine=tpu_vm needs a TPU slice in `topology` (one of "
-                          f"{', '.join(TOPOLOGIES)}), got topology={cfg.topology}")
+    try:
+        topology = topologies.get(str(cfg.topology))
+    except ValueError as err:
+        raise ConfigError(f"engine=tpu_vm needs a TPU slice in `topology`: {err}") from err
+    if topology.num_slices > 1:
+        raise ConfigError(f"engine=tpu_vm launches one slice; topology={cfg.topology} is "
+                          f"{topology.num_slices} slices over DCN (plan it with "
+                          "capibara-exp-tune-mesh; a multi-slice launch is not written here)")
     if e.runtime not in RUNTIMES:
         raise ConfigError(f"engine.runtime: '{e.runtime}' is not one of {list(RUNTIMES)}")
     shared = str(e.workdir)
@@ -40,7 +46,7 @@ def check(cfg: Any) -> Topology:
         raise ConfigError(f"model_dir={model_dir} is not on the workers' shared storage "
                           f"(engine.workdir={shared}"
                           + (", or gs:// for runtime t5x)" if e.runtime == "t5x" else ")"))
-    return TOPOLOGIES[cfg.topology]
+    return topology
 
 
 def worker_command(cfg: Any, gin_path: str, data_dir: str) -> str:

@@ -21,10 +21,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-param_with_axes = nn_partitioning.param_with_axes
-constrain = nn_partitioning.with_sharding_constraint
+from capibara_exp.nets.attention import ATTENTIONS, Attention, splash_segments
 
-_ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu, "linear": lambda x: x}
+# nets.moe builds its experts from these; `X as X` marks them as re-exported here.
+from capibara_exp.nets.layers import ACTIVATIONS as _ACTIVATIONS
+from capibara_exp.nets.layers import Dense as Dense
+from capibara_exp.nets.layers import Embed, RMSNorm, dropout
+from capibara_exp.nets.layers import constrain as constrain
+from capibara_exp.nets.layers import param_with_axes as param_with_axes
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _POSITIONS = ("relative", "rope")
 # 'dots' keeps the weight matmuls' outputs (dots without batch dimensions) and recomputes
@@ -55,6 +60,8 @@ class DecoderConfig:
     rope_max_wavelength: float = 10_000.0
     logits_via_embedding: bool = False
     remat_policy: str = "none"
+    # 'dot' | 'splash' (nets/attention.py: the Pallas splash kernel on TPU, dot elsewhere).
+    attention: str = "dot"
     # One nn.scan over blocks of layers instead of num_layers copies: parameters stacked on
     # a leading 'layers' axis (decoder/layers/layers_<j>/...), compile time independent of
     # depth. A block is one layer, or moe_layer_interval layers for nets.MoeDecoder.
@@ -72,6 +79,14 @@ class DecoderConfig:
         _check_choices("dtype", (self.dtype,), _DTYPES)
         _check_choices("position_embedding", (self.position_embedding,), _POSITIONS)
         _check_choices("remat_policy", (self.remat_policy,), _REMAT)
+        _check_choices("attention", (self.attention,), ATTENTIONS)
+        if self.attention == "splash" and self.position_embedding != "rope":
+            raise ValueError("DecoderConfig.attention='splash' needs position_embedding='rope': "
+                             "the kernel adds no relative position bias")
+        if self.attention == "splash" and self.dropout_rate:
+            raise ValueError("DecoderConfig.attention='splash' has no dropout on attention "
+                             f"probabilities; set dropout_rate=0 (got {self.dropout_rate}) or use "
+                             "attention='dot'")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(
                 f"DecoderConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}"
@@ -100,67 +115,6 @@ def _check_choices(field: str, values: tuple[str, ...], allowed) -> None:
     for value in values:
         if value not in allowed:
             raise ValueError(f"DecoderConfig.{field}: {value!r} is not one of {sorted(allowed)}")
-
-
-def dropout(x: jnp.ndarray, rate: float, enable_dropout: bool, name: str | None = None):
-    """T5X's dropout: one mask per position shared along axis -2 (length or query)."""
-    return nn.Dropout(rate, broadcast_dims=(-2,), name=name)(x, deterministic=not enable_dropout)
-
-
-class Dense(nn.Module):
-    """A bias-free projection whose float32 kernel carries logical axes (T5X's DenseGeneral)."""
-
-    features: int
-    axes: tuple[str, str]
-    dtype: jnp.dtype
-    init_scale: float = 1.0
-    distribution: str = "truncated_normal"
-
-    @nn.compact
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        init = nn.initializers.variance_scaling(self.init_scale, "fan_in", self.distribution)
-        kernel = param_with_axes(
-            "kernel", init, (x.shape[-1], self.features), jnp.float32, axes=self.axes
-        )
-        return jnp.einsum("...d,df->...f", x.astype(self.dtype), kernel.astype(self.dtype))
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale and no bias (T5's LayerNorm)."""
-
-    dtype: jnp.dtype
-    epsilon: float = 1e-6
-
-    @nn.compact
-    def __call__(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
-        x = x_BxLxD.astype(jnp.float32)
-        scale_D = param_with_axes(
-            "scale", nn.initializers.ones, (x.shape[-1],), jnp.float32, axes=("embed",)
-        )
-        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
-        return (x * scale_D).astype(self.dtype)
-
-
-class Embed(nn.Module):
-    """Token embedding table; `attend` gives logits against it (tied embeddings)."""
-
-    vocab_size: int
-    emb_dim: int
-
-    def setup(self) -> None:
-        self.embedding = param_with_axes(
-            "embedding",
-            nn.initializers.normal(1.0),
-            (self.vocab_size, self.emb_dim),
-            jnp.float32,
-            axes=("vocab", "embed"),
-        )
-
-    def __call__(self, tokens_BxL: jnp.ndarray) -> jnp.ndarray:
-        return jnp.take(self.embedding, tokens_BxL.astype(jnp.int32), axis=0)
-
-    def attend(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
-        return jnp.einsum("bld,vd->blv", x_BxLxD.astype(jnp.float32), self.embedding)
 
 
 def relative_position_buckets(
@@ -202,55 +156,6 @@ class RelativePositionBias(nn.Module):
         return jnp.moveaxis(table_HxN[:, buckets_BxLxS], 0, 1)  # [B, H, L, S]
 
 
-def rotate(
-    x_BxLxHxK: jnp.ndarray, positions_BxL: jnp.ndarray, max_wavelength: float
-) -> jnp.ndarray:
-    """Rotary position embedding of queries or keys (first half paired with second half)."""
-    half = x_BxLxHxK.shape[-1] // 2
-    inv_freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BxLx1xK2 = positions_BxL[:, :, None, None].astype(jnp.float32) * inv_freq
-    sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
-    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxHxK.dtype)
-
-
-class Attention(nn.Module):
-    config: DecoderConfig
-
-    @nn.compact
-    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
-        c = self.config
-        dtype, hk = c.compute_dtype, c.num_heads * c.head_dim
-
-        def project(name: str, init_scale: float = 1.0) -> jnp.ndarray:
-            kernel = Dense(hk, ("embed", "joined_kv"), dtype, init_scale, "normal", name=name)
-            y_BxLxHK = kernel(x_BxLxD)
-            y_BxLxHxK = y_BxLxHK.reshape(y_BxLxHK.shape[:2] + (c.num_heads, c.head_dim))
-            return constrain(y_BxLxHxK, ("batch", "length", "heads", "kv"))
-
-        # T5 scales logits by 1/sqrt(head_dim) through the query's initialisation instead.
-        q_BxLxHxK = project("query", init_scale=1.0 / c.head_dim)
-        k_BxSxHxK = project("key")
-        v_BxSxHxK = project("value")
-        if c.position_embedding == "rope":
-            q_BxLxHxK = rotate(q_BxLxHxK, positions_BxL, c.rope_max_wavelength)
-            k_BxSxHxK = rotate(k_BxSxHxK, positions_BxL, c.rope_max_wavelength)
-        scores_BxHxLxS = jnp.einsum(
-            "blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32
-        )
-        if bias_BxHxLxS is not None:
-            scores_BxHxLxS = scores_BxHxLxS + bias_BxHxLxS
-        scores_BxHxLxS = jnp.where(mask_Bx1xLxS, scores_BxHxLxS, jnp.finfo(jnp.float32).min)
-        probs_BxHxLxS = jax.nn.softmax(scores_BxHxLxS, axis=-1).astype(dtype)
-        probs_BxHxLxS = dropout(probs_BxHxLxS, c.dropout_rate, enable_dropout)
-        out_BxLxHxK = jnp.einsum("bhls,bshk->blhk", probs_BxHxLxS, v_BxSxHxK)
-        out_BxLxHK = out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (hk,))
-        return Dense(c.emb_dim, ("joined_kv", "embed"), dtype, distribution="normal", name="out")(
-            out_BxLxHK
-        )
-
-
 class Mlp(nn.Module):
     """Gated MLP: the product of one projection per activation, then `wo` (T5's names)."""
 
@@ -280,11 +185,13 @@ class DecoderLayer(nn.Module):
         return Mlp(self.config, name="mlp")(x_BxLxD, enable_dropout)
 
     @nn.compact
-    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout):
+    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout,
+                 segments_BxL=None):
+        """segments_BxL: what attention='splash' masks by (attention.segments_for_splash)."""
         c = self.config
         h = RMSNorm(c.compute_dtype, name="pre_self_attention_layer_norm")(x_BxLxD)
         h = Attention(c, name="self_attention")(
-            h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
+            h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL
         )
         x_BxLxD = x_BxLxD + dropout(
             h, c.dropout_rate, enable_dropout, "post_self_attention_dropout"
@@ -330,10 +237,11 @@ class LayerBlock(nn.Module):
     enable_dropout: bool
 
     @nn.compact
-    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL):
+    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, segments_BxL):
         for j, (cls, kwargs) in enumerate(self.layers):
             x_BxLxD = cls(self.config, **dict(kwargs), name=f"layers_{j}")(
-                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, self.enable_dropout
+                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, self.enable_dropout,
+                segments_BxL
             )
         return x_BxLxD, None
 
@@ -352,7 +260,7 @@ class Decoder(nn.Module):
         return 1
 
     def scanned_layers(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
-                       enable_dropout):
+                       enable_dropout, segments_BxL):
         c, size = self.config, self.block_size()
         if c.num_layers % size:
             raise ValueError(f"DecoderConfig.scan_layers: num_layers={c.num_layers} is not a "
@@ -361,13 +269,13 @@ class Decoder(nn.Module):
             LayerBlock,
             variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast,) * 4,
             length=c.num_layers // size,
             axis_name="layers",
         )
         block = tuple(self.layer_spec(j) for j in range(size))
         x_BxLxD, _ = scanned(c, block, enable_dropout, name="layers")(
-            x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL
+            x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, segments_BxL
         )
         return x_BxLxD
 
@@ -413,20 +321,27 @@ class Decoder(nn.Module):
             embedder(decoder_input_tokens).astype(dtype), ("batch", "length", "embed")
         )
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
+        segments_BxL = splash_segments(c.attention, decoder_target_tokens, decoder_segment_ids,
+                                       decoder_causal_attention)
         if c.scan_layers:
             x_BxLxD = self.scanned_layers(
-                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
+                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL
             )
         else:
             for i in range(c.num_layers):
                 cls, kwargs = self.layer_spec(i)
                 x_BxLxD = cls(c, **dict(kwargs), name=f"layers_{i}")(
-                    x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout
+                    x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout,
+                    segments_BxL
                 )
         x_BxLxD = RMSNorm(dtype, name="decoder_norm")(x_BxLxD)
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "output_dropout")
 
-        # Logits in float32 for a stable softmax, as T5X's decoder-only network does.
+        return self.logits(x_BxLxD, embedder)
+
+    def logits(self, x_BxLxD, embedder: Embed):
+        """Float32 logits for a stable softmax, as T5X's decoder-only network computes them."""
+        c = self.config
         if c.logits_via_embedding:
             logits_BxLxV = embedder.attend(x_BxLxD) / jnp.sqrt(c.emb_dim)
         else:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from capibara_exp import meshes
 from capibara_exp.data import packing
 from capibara_exp.runtime import partitioning
 from capibara_exp.runtime.config import reject_unsupported
@@ -207,13 +208,8 @@ class MoePjitPartitioner(partitioning.PjitPartitioner):
                          logical_axis_rules=logical_axis_rules or standard_logical_axis_rules())
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        data, model = super().mesh_shape(num_devices).values()
-        experts = self.num_expert_partitions
-        if data % experts:
-            raise ValueError(
-                f"moe_partitioning.MoePjitPartitioner: num_expert_partitions={experts} does not "
-                f"divide the data axis ({num_devices} devices / num_partitions={model} = {data})")
-        return {"data": data // experts, "expert": experts, "model": model}
+        return meshes.mesh_axes(num_devices, self.num_model_partitions,
+                                self.num_expert_partitions, num_slices=self.num_slices)
 
 
 def _path_name(path: tuple) -> str:

@@ -20,6 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from capibara_exp import meshes
 from capibara_exp.runtime.config import reject_unsupported
 
 LogicalRules = Sequence[tuple[str, str | None]]
@@ -44,11 +45,25 @@ def mesh_devices() -> list[Any]:
     return list(_TARGET_DEVICES.get() or jax.devices())
 
 
+def num_slices(devices: Sequence[Any]) -> int:
+    """TPU slices the devices span (several when joined over the data-center network)."""
+    return len({getattr(d, "slice_index", 0) or 0 for d in devices})
+
+
 def device_mesh(shape: dict[str, int], devices: Sequence[Any]) -> Mesh:
     """A mesh of named axes over devices. On TPUs the devices are placed by their physical
-    coordinates, so each mesh axis runs along ICI links (T5X and MaxText do the same)."""
+    coordinates, so each mesh axis runs along ICI links (T5X and MaxText do the same); over
+    several slices the data axis is split into slices (DCN) x devices within one (ICI), as
+    MaxText's hybrid mesh with dcn_data_parallelism = num_slices."""
     sizes = tuple(shape.values())
-    if devices[0].platform == "tpu":
+    slices = num_slices(devices)
+    if devices[0].platform == "tpu" and slices > 1:
+        data = list(shape).index("data")
+        ici = tuple(n // slices if i == data else n for i, n in enumerate(sizes))
+        dcn = tuple(slices if i == data else 1 for i in range(len(sizes)))
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
+                                                    allow_split_physical_axes=True)
+    elif devices[0].platform == "tpu":
         # 32x2 or 16x4 on an 8x8 slice splits a physical axis; allowed, at some ICI cost.
         grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
     else:
@@ -113,16 +128,14 @@ class PjitPartitioner:
             reject_unsupported("partitioning.PjitPartitioner", params_on_devices="False")
         self.num_model_partitions = model_partitions(num_partitions, model_parallel_submesh)
         devices = mesh_devices()
+        self.num_slices = num_slices(devices)
         self.mesh = device_mesh(self.mesh_shape(len(devices)), devices)
         self.logical_axis_rules = tuple(logical_axis_rules or standard_logical_axis_rules())
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        """Mesh axis -> size for a device count; an error naming the values if it does not fit."""
-        model = self.num_model_partitions
-        if num_devices % model:
-            raise ValueError(f"partitioning.PjitPartitioner: num_partitions={model} model "
-                             f"partitions do not divide the {num_devices} available devices")
-        return {"data": num_devices // model, "model": model}
+        """Mesh axis -> size for a device count (the mesh rule, capibara_exp/meshes.py)."""
+        return meshes.mesh_axes(num_devices, self.num_model_partitions,
+                                num_slices=self.num_slices)
 
     # Mesh axes the batch dimension is split over (T5X: data_partition_spec).
     batch_axes: tuple[str, ...] = ("data",)
@@ -140,12 +153,14 @@ class PjitPartitioner:
         """Batch dimension split over the batch axes."""
         return NamedSharding(self.mesh, self.data_partition_spec)
 
-    def check_batch_size(self, batch_size: int, where: str = "batch size") -> None:
+    def check_batch_size(self, batch_size: int) -> None:
         """A batch that does not split evenly over the mesh is an error before compiling."""
-        if batch_size % self.data_size:
-            shape = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
-            raise ValueError(f"{where} {batch_size} does not divide by the {self.data_size} batch "
-                             f"shards of the mesh ({shape}; batch split over {self.batch_axes})")
+        meshes.check_batch(batch_size, 1, self.data_size, self.describe())
+
+    def describe(self) -> str:
+        """The mesh in words, for errors: axis sizes and the axes the batch splits over."""
+        shape = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
+        return f"mesh {shape}; batch split over {self.batch_axes}"
 
     def activation_context(self) -> contextlib.ExitStack:
         """Mesh and logical axis rules in force, so activation constraints apply when traced."""

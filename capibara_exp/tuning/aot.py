@@ -20,9 +20,9 @@ from omegaconf import DictConfig
 from capibara_exp import gin_bridge
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
-from capibara_exp.tuning import hlo
+from capibara_exp.topologies import Chip
+from capibara_exp.tuning import calibration, profile
 from capibara_exp.tuning.estimate import estimate
-from capibara_exp.tuning.topology import Chip
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
 # memory on HBM, the total memory required for HLO temporaries (27.11G) exceeds available
@@ -39,7 +39,8 @@ class Compiled:
 
     feasible: bool
     reason: str  # why not, or "" when feasible
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # wall clock
+    compile_cpu_s: float = 0.0  # CPU time of this process (XLA's compile threads included)
     memory_bytes: float = 0.0  # per chip: XLA's peak, or what the OOM message says it needs
     model_flops: float = 0.0  # per chip per step, PaLM's analytic count
     xla_flops: float = 0.0  # cost_analysis()'s figure, for comparison (loops counted once)
@@ -52,16 +53,30 @@ class Compiled:
         return {**out, **self.profiled}
 
 
-def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: float
-                   ) -> dict[str, Any]:
+def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: float,
+                   coords: list[list[int]] | None = None) -> dict[str, Any]:
     """Per-chip matmul FLOPs, HBM bytes, collective bytes and the step estimate (est_*) of
-    a compiled step's HLO, tagged with the profiler's version (a newer one re-reads it)."""
-    profile = hlo.profile(hlo_text, num_devices)
-    est = estimate(profile, chip, model_flops)
-    return {"flops": profile.flops, "hbm_bytes": profile.hbm_bytes,
-            "collective_bytes": profile.collective_bytes,
-            "profile_version": hlo.PROFILE_VERSION,
+    a compiled step's HLO under the calibrated model, tagged with the profiler's version (a
+    newer one re-reads it). coords: (x, y, z, slice) of the mesh's devices in order."""
+    step = profile.profile(hlo_text, num_devices, coords)
+    est = estimate(step, chip, model_flops, calibration.CALIBRATED)
+    return {"flops": step.flops, "hbm_bytes": step.hbm_bytes,
+            "collective_bytes": step.collective_bytes,
+            "profile_version": profile.PROFILE_VERSION, "step_model": step_model_id(),
             **{f"est_{k}": v for k, v in dataclasses.asdict(est).items()}}
+
+
+def step_model_id() -> dict[str, float]:
+    """The constants estimates were made with: results made with others are re-read."""
+    return dataclasses.asdict(calibration.CALIBRATED)
+
+
+def mesh_coords(mesh: Any) -> list[list[int]] | None:
+    """(x, y, z, slice) of a mesh's devices in order; None for devices without coordinates."""
+    devices = list(mesh.devices.flat)
+    if not all(hasattr(d, "coords") for d in devices):
+        return None
+    return [[*d.coords, getattr(d, "slice_index", 0) or 0] for d in devices]
 
 
 def render_local_gin(cfg: DictConfig) -> str:
@@ -121,27 +136,30 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
 
         lowered = train_script.lower_train_step(**bindings)
         model_flops = model_flops_per_chip(bindings, len(devices))
+        coords = mesh_coords(bindings["partitioner"].mesh)
     except (ValueError, ConfigError) as err:  # the mesh/config does not fit
         return Compiled(False, f"invalid: {_one_line(err)}")
     finally:
         gin.clear_config(clear_constants=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises XlaRuntimeError (and others) for OOM and failures
         message = _one_line(err)
         if _OOM_RE.search(message):
             return Compiled(False, f"out of HBM: {message}", time.perf_counter() - t0,
-                            oom_bytes(message))
-        return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0)
-    compile_s = time.perf_counter() - t0
+                            time.process_time() - cpu0, oom_bytes(message))
+        return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0,
+                        time.process_time() - cpu0)
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     memory = memory_per_chip(compiled)
     text = compiled.as_text()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else {}
-    result = Compiled(True, "", compile_s, memory, model_flops, float(cost.get("flops", 0.0)),
-                      profile_fields(text, len(devices), chip, model_flops), text)
+    fields = profile_fields(text, len(devices), chip, model_flops, coords)
+    result = Compiled(True, "", compile_s, compile_cpu_s, memory, model_flops,
+                      float(cost.get("flops", 0.0)), {**fields, "device_coords": coords}, text)
     budget = (1.0 - hbm_margin) * chip.hbm_bytes
     if memory > budget:
         result.feasible = False

@@ -9,7 +9,6 @@ write the report and a conf/partitioning entry for the winner (tuning/report).
 from __future__ import annotations
 
 import gzip
-import hashlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -18,14 +17,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp import topologies
 from capibara_exp.errors import ConfigError
-from capibara_exp.tuning import aot, hlo, report, search, space, topology
-from capibara_exp.tuning.topology import Chip
+from capibara_exp.topologies import Chip
+from capibara_exp.tuning import aot, profile, report, search, space, topology
+from capibara_exp.tuning.evaluate import Evaluator
 
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
 STUDY_DB = "mesh_study.db"
 CACHE = "candidates.jsonl"
-HLO_DIR = "hlo"
 
 
 def experiment_config(cfg: DictConfig) -> DictConfig:
@@ -35,14 +35,6 @@ def experiment_config(cfg: DictConfig) -> DictConfig:
     out = OmegaConf.create(plain)
     OmegaConf.set_struct(out, True)
     return out
-
-
-def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """cfg with dotlist overrides; a key the config does not have is an error naming it."""
-    try:
-        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    except Exception as err:  # omegaconf's ConfigKeyError and friends
-        raise ConfigError(f"tune-mesh candidate override {overrides}: {err}") from err
 
 
 def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
@@ -56,33 +48,28 @@ def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
         where = f"{len(devices)} local {devices[0].platform} devices"
         return devices, local_chip(devices, dtype), where
     try:
-        topo = topology.get(name)
+        topo = topologies.get(name)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return topology.devices(topo), topo.chip, f"{topo.name} ({topo.jax_name}, {topo.chips} chips)"
 
 
-def save_hlo(out_dir: Path, cand: space.Candidate, text: str) -> str:
-    """The compiled step's HLO, gzipped under <run dir>/hlo/; its path relative to out_dir."""
-    name = hashlib.sha1(cand.key.encode()).hexdigest()[:16]
-    path = out_dir / HLO_DIR / f"{name}.hlo.gz"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(gzip.compress(text.encode(), compresslevel=6))
-    return str(path.relative_to(out_dir))
-
-
 def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) -> int:
-    """Bring results of an older profiler up to date: re-read their saved HLO, or, where none
-    was kept, drop them so they compile again. Returns how many were re-read."""
-    stale = [r for r in cache.results.values()
-             if r.record.get("feasible") and r.record.get("profile_version") != hlo.PROFILE_VERSION]
+    """Bring results of an older profiler or other model constants up to date: re-read their
+    saved HLO, or, where none was kept, drop them so they compile again. Returns how many
+    were re-read. (A result kept before device coordinates were recorded is re-read as if
+    every group ran along one torus axis.)"""
+    stale = [r for r in cache.results.values() if r.record.get("feasible") and (
+        r.record.get("profile_version") != profile.PROFILE_VERSION
+        or r.record.get("step_model") != aot.step_model_id())]
     reread = 0
     for result in stale:
         saved = out_dir / result.record["hlo_file"] if result.record.get("hlo_file") else None
         if saved is not None and saved.exists():
             text = gzip.decompress(saved.read_bytes()).decode()
             result.record.update(aot.profile_fields(text, num_devices, chip,
-                                                    result.record["model_flops"]))
+                                                    result.record["model_flops"],
+                                                    result.record.get("device_coords")))
             reread += 1
         else:
             del cache.results[result.candidate]
@@ -94,22 +81,93 @@ def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) 
     return reread
 
 
-def build_candidates(cfg: DictConfig, chips: int) -> list[space.Candidate]:
+def attentions(cfg: DictConfig, local: bool) -> list[str]:
+    """The attention implementations to search: tune_mesh.attentions, or (null) dot and
+    splash where the model can take splash (rope, no dropout, a length the kernel's blocks
+    divide) and the target is a TPU, else dot (on CPU/GPU splash runs as dot anyway). A
+    listed one the model cannot take is an error naming the key."""
+    from capibara_exp.nets.attention import splash_block
+
+    model = cfg.model
+    length = max(cfg.data.task_feature_lengths.values())
+    why = []
+    if model.position_embedding != "rope":
+        why.append(f"model.position_embedding={model.position_embedding} (needs rope)")
+    if model.dropout_rate:
+        why.append(f"model.dropout_rate={model.dropout_rate} (needs 0)")
+    try:
+        splash_block(length)
+    except ValueError:
+        why.append(f"sequence length {length} (needs a multiple of 128, of 512 above 512)")
+    listed = cfg.tune_mesh.get("attentions")
+    if listed is None:
+        return ["dot", "splash"] if not why and not local else ["dot"]
+    for name in listed:
+        if name not in ("dot", "splash"):
+            raise ConfigError(f"tune_mesh.attentions: '{name}' is not one of ['dot', 'splash']")
+        if name == "splash" and why:
+            raise ConfigError(f"tune_mesh.attentions lists splash, which this model cannot "
+                              f"take: {'; '.join(why)}")
+    return list(listed)
+
+
+def build_candidates(cfg: DictConfig, chips: int, num_slices: int = 1, local: bool = False
+                     ) -> list[space.Candidate]:
     s = cfg.tune_mesh
     num_experts = cfg.model.get("num_experts")
     cands = space.candidates(
         chips, cfg.model.num_heads, num_experts, cfg.data.batch_size,
         num_microbatches=list(s.num_microbatches), remat_policies=list(s.remat_policies),
         fsdp=list(s.fsdp), per_chip_batch=list(s.per_chip_batch) if s.per_chip_batch else None,
+        attentions=attentions(cfg, local), num_slices=num_slices,
         model_partitions=list(s.model_partitions) if s.model_partitions else None,
         expert_partitions=list(s.expert_partitions) if s.expert_partitions else None)
     if not cands:
         raise ConfigError(
-            f"tune_mesh: no mesh candidate fits {chips} chips with model.num_heads="
-            f"{cfg.model.num_heads}, model.num_experts={num_experts}, data.batch_size="
-            f"{cfg.data.batch_size}, tune_mesh.num_microbatches={list(s.num_microbatches)}, "
-            f"model_partitions={s.model_partitions}, expert_partitions={s.expert_partitions}")
+            f"tune_mesh: no mesh candidate fits {chips} chips ({num_slices} slice(s)) with "
+            f"model.num_heads={cfg.model.num_heads}, model.num_experts={num_experts}, "
+            f"data.batch_size={cfg.data.batch_size}, tune_mesh.num_microbatches="
+            f"{list(s.num_microbatches)}, model_partitions={s.model_partitions}, "
+            f"expert_partitions={s.expert_partitions}")
     return cands
+
+
+def _pool(cfg: DictConfig):
+    """A compile pool for a TPU topology (tune_mesh.compile_workers; null: sized to the
+    host), or a no-op context when one worker compiles in this process."""
+    import contextlib
+
+    from capibara_exp.tuning.pool import CompilePool, default_workers
+
+    workers = cfg.tune_mesh.compile_workers or default_workers()
+    if workers < 1:
+        raise ConfigError(f"tune_mesh.compile_workers={workers}: give a positive number, or "
+                          "null for one per core")
+    if workers == 1 or cfg.topology in LOCAL or cfg.tune_mesh.measure:
+        return contextlib.nullcontext(None), 1
+    return CompilePool(cfg.topology, workers), workers
+
+
+def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir: Path):
+    """(results, TPE replay or None) of the configured search."""
+    s = cfg.tune_mesh
+    if s.search == "exhaustive":
+        results = search.exhaustive(cands, cache, evaluator)
+        replay = search.compiles_to_optimum(cands, {r.candidate: r for r in results}, "tpe",
+                                            list(range(s.replay_seeds)), max(len(cands) * 3, 30))
+        return results, replay
+    import optuna
+
+    study = optuna.create_study(
+        study_name=f"mesh:{cfg.name}:{cfg.topology}", direction="maximize",
+        storage=f"sqlite:///{out_dir / STUDY_DB}", load_if_exists=True,
+        sampler=search.make_sampler(s.search, s.seed, s.n_trials))
+    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        # A trial still running in the storage belonged to a planner that was stopped: its
+        # compile is gone (and cached if it finished), so the study should not wait on it.
+        study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
+    return search.optimize(cands, cache, evaluator, s.n_trials, study, s.max_compiles,
+                           workers=workers), None
 
 
 def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -124,46 +182,15 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
     base = experiment_config(cfg)
     moe = "num_experts" in cfg.model
     devices, chip, where = target(cfg.topology, cfg.model.dtype)
-    cands = build_candidates(cfg, len(devices))
-    log = logging.getLogger("capibara_exp.tune_mesh")
-    log.info("%d candidates on %s", len(cands), where)
-
-    def evaluate(cand: space.Candidate) -> dict[str, Any]:
-        cand_cfg = with_overrides(base, cand.overrides(moe))
-        compiled = aot.compile_step(cand_cfg, devices, chip, s.hbm_margin)
-        record = compiled.record()
-        if compiled.hlo_text:  # kept, so a better profiler can re-read it without compiling
-            record["hlo_file"] = save_hlo(out_dir, cand, compiled.hlo_text)
-        status = (f"est {record['est_step_s'] * 1e3:.1f} ms, MFU {record['est_mfu']:.1%}, "
-                  f"{compiled.memory_bytes / 2**30:.2f} GiB" if compiled.feasible
-                  else compiled.reason[:120])
-        print(f"capibara-exp-tune-mesh: {cand.key}: compiled in {compiled.compile_s:.1f} s; "
-              f"{status}", file=sys.stderr, flush=True)
-        if s.measure and compiled.feasible:
-            from capibara_exp.tuning.measure import time_train_steps
-
-            bindings = aot.train_bindings(aot.render_local_gin(cand_cfg), devices)
-            record["measured_step_s"] = time_train_steps(bindings, s.measure_steps)
-            import gin
-
-            gin.clear_config(clear_constants=True)
-        return record
-
+    slices = 1 if cfg.topology in LOCAL else topologies.get(cfg.topology).num_slices
+    cands = build_candidates(cfg, len(devices), slices, cfg.topology in LOCAL)
+    logging.getLogger("capibara_exp.tune_mesh").info("%d candidates on %s", len(cands), where)
     cache = search.Cache(out_dir / CACHE)
     reprofile(cache, out_dir, len(devices), chip)
-    replay = None
-    if s.search == "exhaustive":
-        results = search.exhaustive(cands, cache, evaluate)
-        replay = search.compiles_to_optimum(cands, {r.candidate: r for r in results}, "tpe",
-                                            list(range(s.replay_seeds)), max(len(cands) * 3, 30))
-    else:
-        import optuna
-
-        study = optuna.create_study(
-            study_name=f"mesh:{cfg.name}:{cfg.topology}", direction="maximize",
-            storage=f"sqlite:///{out_dir / STUDY_DB}", load_if_exists=True,
-            sampler=search.make_sampler(s.search, s.seed, s.n_trials))
-        results = search.optimize(cands, cache, evaluate, s.n_trials, study, s.max_compiles)
+    pool, workers = _pool(cfg)
+    with pool as compile_pool:
+        evaluator = Evaluator(base, moe, devices, chip, out_dir, s, compile_pool)
+        results, replay = search_space(cfg, cands, cache, evaluator, workers, out_dir)
     winner = search.best(results)
     summary = report.write(out_dir, cfg, where, chip, cands, results, winner, replay)
     if winner is not None:

@@ -13,11 +13,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.paths import CONF_DIR
+from capibara_exp.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.measure import spearman
 from capibara_exp.tuning.search import Result
 from capibara_exp.tuning.space import Candidate
-from capibara_exp.tuning.topology import Chip
 
 REPORT_MD = "mesh_report.md"
 REPORT_PNG = "mesh_report.png"
@@ -48,9 +48,10 @@ def _row(r: Result) -> str:
         est = mfu = parts = "-"
     measured = _ms(rec["measured_step_s"]) if "measured_step_s" in rec else "-"
     status = "ok" if r.feasible else rec.get("reason", "")[:90].replace("|", "/")
+    compile_s = "pruned" if rec.get("pruned") else f"{rec.get('compile_s', 0):.1f}"
     return (f"| {c.data} x {c.expert} x {c.model} | {c.num_microbatches} | {c.remat_policy} | "
-            f"{'yes' if c.fsdp else 'no'} | {c.batch_size} | {memory} | {est} | {parts} | {mfu} | "
-            f"{measured} | {rec.get('compile_s', 0):.1f} | {status} |")
+            f"{'yes' if c.fsdp else 'no'} | {c.attention} | {c.batch_size} | {memory} | {est} | "
+            f"{parts} | {mfu} | {measured} | {compile_s} | {status} |")
 
 
 def _measured_agreement(results: Sequence[Result]) -> dict[str, Any] | None:
@@ -76,7 +77,9 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "experiment": cfg.name, "topology": cfg.topology, "devices": where,
         "chip": {"kind": chip.kind, "peak_flops": chip.peak_flops, "hbm_bytes": chip.hbm_bytes,
                  "hbm_bytes_per_s": chip.hbm_bytes_per_s, "ici_bytes_per_s": chip.ici_bytes_per_s},
-        "space_size": len(cands), "compiled": len(ranked),
+        "space_size": len(cands), "evaluated": len(ranked),
+        "compiled": sum(not r.record.get("pruned") for r in ranked),
+        "pruned": sum(bool(r.record.get("pruned")) for r in ranked),
         "feasible": sum(r.feasible for r in ranked),
         "best": ({"candidate": winner.candidate.key, **winner.record} if winner else None),
         "measured_vs_estimated": agreement,
@@ -91,17 +94,20 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "",
         f"Chip: {chip.kind}, {chip.peak_flops / 1e12:.1f} TFLOP/s peak, "
         f"{chip.hbm_bytes / GIB:.1f} GiB at {chip.hbm_bytes_per_s / 1e9:.0f} GB/s, ICI "
-        f"{chip.ici_bytes_per_s / 1e9:.0f} GB/s. Space: {len(cands)} candidates; compiled "
-        f"{len(ranked)}, feasible {summary['feasible']}.",
+        f"{chip.ici_bytes_per_s / 1e9:.0f} GB/s. Space: {len(cands)} candidates; evaluated "
+        f"{len(ranked)} ({summary['compiled']} compiled, {summary['pruned']} over the memory "
+        f"bound without compiling), feasible {summary['feasible']}.",
         "",
-        "Estimated step = per-op roofline (each op: max of matmul FLOPs / peak and HBM bytes / "
-        "bandwidth) + collectives over ICI, from the compiled HLO; MFU = model FLOPs / "
-        "(step x peak). The compute / memory / collective columns are the three sums (ms).",
+        "Estimated step: the compiled step's schedule played on the chip (tuning/estimate.py: "
+        "each op the larger of matmul FLOPs / peak and HBM bytes / bandwidth, collectives over "
+        "ICI and DCN overlapping compute as XLA scheduled them, calibrated constants); MFU = "
+        "model FLOPs / (step x peak). The compute / memory / collective columns sum each over "
+        "the step (ms; collectives overlapped or not).",
         "",
-        "| mesh data x expert x model | microbatches | remat | FSDP | batch | GiB/chip | "
-        "est. step ms | compute / memory / collective ms | est. MFU | measured ms | "
+        "| mesh data x expert x model | microbatches | remat | FSDP | attention | batch | "
+        "GiB/chip | est. step ms | compute / memory / collective ms | est. MFU | measured ms | "
         "compile s | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[_row(r) for r in ranked],
         "",
     ]
@@ -186,7 +192,8 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"partitioning": OmegaConf.to_container(merged.partitioning, resolve=True),
             "trainer": {"num_microbatches": merged.trainer.num_microbatches},
-            "model": {"remat_policy": merged.model.remat_policy}}
+            "model": {"remat_policy": merged.model.remat_policy,
+                      "attention": merged.model.attention}}
     if cand.batch_size != base.data.batch_size:
         body["data"] = {"batch_size": cand.batch_size}
     rec = winner.record
@@ -201,8 +208,9 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
         f"{cfg.topology}:",
         f"# mesh data={cand.data} x expert={cand.expert} x model={cand.model}, "
         f"{cand.num_microbatches} microbatch(es), remat {cand.remat_policy}, "
-        f"FSDP {'on' if cand.fsdp else 'off'}; estimated {rec['est_step_s'] * 1e3:.1f} ms/step, "
-        f"MFU {rec['est_mfu']:.1%}, {rec['memory_bytes'] / GIB:.2f} GiB per chip.",
+        f"FSDP {'on' if cand.fsdp else 'off'}, {cand.attention} attention; estimated "
+        f"{rec['est_step_s'] * 1e3:.1f} ms/step, MFU {rec['est_mfu']:.1%}, "
+        f"{rec['memory_bytes'] / GIB:.2f} GiB per chip.",
         "# Group files before experiment/ in the defaults list: the experiment must not set "
         "these keys itself.",
     ]

@@ -5,21 +5,25 @@ cached by candidate.
 
 Each distinct candidate costs one compile (tens of seconds to minutes for a real model),
 so the unit of cost is a compile, not a trial: a trial that proposes a candidate already
-compiled reuses its result.
+compiled reuses its result, and one the memory bound rules out (`pruned` in its record)
+costs no compile. With a compile pool the study keeps one trial running per worker, asking
+for the next as soon as one finishes (TPE's constant liar keeps running trials apart).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
+import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import optuna
 
-from capibara_exp.tuning.space import Candidate
+from capibara_exp.tuning.space import REMAT_POLICIES, Candidate
 
 OBJECTIVE = "est_mfu"  # maximised; with a fixed global batch, the same order as step time
 # Optuna's constraint (> 0: violated) for invalid, out-of-HBM and failed candidates: TPE
@@ -37,11 +41,18 @@ class Result:
         return bool(self.record.get("feasible"))
 
     @property
+    def compiled(self) -> bool:
+        """Whether finding this result cost a compile (a pruned candidate did not)."""
+        return not self.record.get("pruned")
+
+    @property
     def value(self) -> float:
         return float(self.record.get(OBJECTIVE, 0.0)) if self.feasible else 0.0
 
 
-Evaluate = Callable[[Candidate], dict[str, Any]]
+# Starts evaluating a candidate: a future of its record (compiled by a pool worker, or
+# ready at once when the memory bound rules it out or there is no pool).
+Evaluate = Callable[[Candidate], concurrent.futures.Future]
 
 
 class Cache:
@@ -63,92 +74,201 @@ class Cache:
                 json.dumps({"candidate": dataclasses.asdict(c), "record": r.record}) + "\n"
                 for c, r in self.results.items()))
 
-    def get(self, cand: Candidate, evaluate: Evaluate) -> Result:
-        if cand not in self.results:
-            result = Result(cand, evaluate(cand))
-            self.results[cand] = result
-            if self.path:
-                with self.path.open("a") as f:
-                    f.write(json.dumps({"candidate": dataclasses.asdict(cand),
-                                        "record": result.record}) + "\n")
+    def put(self, cand: Candidate, record: dict[str, Any]) -> Result:
+        """Keep a new result, in memory and at the end of the file (so a search that is
+        interrupted loses no compile that finished)."""
+        self.results[cand] = Result(cand, record)
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"candidate": dataclasses.asdict(cand),
+                                    "record": record}) + "\n")
         return self.results[cand]
 
 
-def _params(cands: Sequence[Candidate]) -> dict[str, list]:
-    """The study's categorical parameters: the distinct values of each part."""
-    def values(attr):
-        return sorted({getattr(c, attr) for c in cands}, key=str)
-
-    return {"mesh": sorted({c.mesh for c in cands}),
-            "num_microbatches": values("num_microbatches"),
-            "remat_policy": values("remat_policy"),
-            "fsdp": values("fsdp"),
-            "batch_size": values("batch_size")}
+# The candidate's parts the study samples, each as an index into its sorted values, so TPE
+# sees their order (2 model partitions lie between 1 and 4; remat 'dots' between 'none'
+# and 'full'). The data axis follows from the others.
+PARTS = ("model", "expert", "num_microbatches", "remat_policy", "fsdp", "batch_size",
+         "attention")
 
 
-def _lookup(cands: Sequence[Candidate], params: dict[str, Any]) -> Candidate | None:
-    for c in cands:
-        if (c.mesh == params["mesh"] and c.num_microbatches == params["num_microbatches"]
-                and c.remat_policy == params["remat_policy"] and c.fsdp == params["fsdp"]
-                and c.batch_size == params["batch_size"]):
-            return c
-    return None
+def _space(cands: Sequence[Candidate]) -> dict[str, list]:
+    """The distinct values of each part, in order."""
+    def order(part: str):
+        return REMAT_POLICIES.index if part == "remat_policy" else (lambda v: v)
+
+    return {part: sorted({getattr(c, part) for c in cands}, key=order(part)) for part in PARTS}
+
+
+def _suggest(trial: optuna.trial.BaseTrial, space: dict[str, list]) -> dict[str, Any]:
+    return {part: values[trial.suggest_int(part, 0, len(values) - 1)] if len(values) > 1
+            else values[0] for part, values in space.items()}
+
+
+def _decode(params: dict[str, Any], space: dict[str, list]) -> dict[str, Any] | None:
+    """A finished trial's parts from its stored indices (None for another space's trial)."""
+    try:
+        return {part: values[params[part]] if len(values) > 1 else values[0]
+                for part, values in space.items()}
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _table(cands: Sequence[Candidate]) -> dict[tuple, Candidate]:
+    return {tuple(getattr(c, part) for part in PARTS): c for c in cands}
+
+
+def _lookup(cands: Sequence[Candidate], parts: dict[str, Any] | None) -> Candidate | None:
+    if parts is None:
+        return None
+    return _table(cands).get(tuple(parts[part] for part in PARTS))
 
 
 def make_sampler(name: str, seed: int | None, n_trials: int) -> optuna.samplers.BaseSampler:
+    """TPE over the ordered parts, jointly (multivariate), after a short random start, with
+    more candidates scored per trial than Optuna's default (a mesh space is small and each
+    trial costs a compile, so the sampler may think longer); constant liar keeps a batch of
+    trials asked at once apart."""
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True,
-                                          n_startup_trials=max(3, min(10, n_trials // 3)))
+        return optuna.samplers.TPESampler(
+            seed=seed, multivariate=True, constant_liar=True, n_ei_candidates=64,
+            n_startup_trials=max(3, min(5, n_trials // 4)))
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"tune_mesh.sampler: '{name}' is not one of ['tpe', 'random']")
 
 
+def _tell(study: optuna.Study, trial: optuna.Trial, result: Result | None) -> None:
+    if result is None:  # e.g. microbatches that do not split this mesh's batch shards
+        trial.set_constraint(INFEASIBLE, 1.0)
+        trial.set_user_attr("reason", "invalid combination")
+        study.tell(trial, 0.0)
+        return
+    trial.set_constraint(INFEASIBLE, 0.0 if result.feasible else 1.0)
+    trial.set_user_attr("candidate", result.candidate.key)
+    if not result.feasible:
+        trial.set_user_attr("reason", result.record.get("reason", ""))
+    study.tell(trial, result.value)
+
+
+def told(study: optuna.Study) -> int:
+    """Trials finished (a trial enqueued for later is not one yet)."""
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
+def _nearest(cand: Candidate, others: Sequence[Candidate], space: dict[str, list],
+             draw: random.Random) -> Candidate:
+    def steps(other: Candidate) -> int:
+        return sum(abs(space[p].index(getattr(other, p)) - space[p].index(getattr(cand, p)))
+                   for p in PARTS)
+
+    closest = min(steps(c) for c in others)
+    return draw.choice([c for c in others if steps(c) == closest])
+
+
+def _ready(result: Result) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
+
+
 def _trials(cands: Sequence[Candidate], study: optuna.Study,
-            result_of: Callable[[Candidate], Result], more: Callable[[], bool]
-            ) -> Iterator[Result]:
-    """Ask, look the candidate up, tell: one trial at a time while `more()`."""
-    space = _params(cands)
-    while more():
-        trial = study.ask()
-        params = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
-        cand = _lookup(cands, params)
-        if cand is None:  # e.g. microbatches that do not split this mesh's batch shards
-            trial.set_constraint(INFEASIBLE, 1.0)
-            trial.set_user_attr("reason", "invalid combination")
-            study.tell(trial, 0.0)
-            continue
-        result = result_of(cand)
-        trial.set_constraint(INFEASIBLE, 0.0 if result.feasible else 1.0)
-        trial.set_user_attr("candidate", cand.key)
-        if not result.feasible:
-            trial.set_user_attr("reason", result.record.get("reason", ""))
-        study.tell(trial, result.value)
-        yield result
+            submit: Callable[[Candidate], concurrent.futures.Future],
+            more: Callable[[int], bool], workers: int = 1) -> Iterator[Result]:
+    """Keep `workers` compiles running: ask, submit the candidate, and tell each trial as its
+    result arrives (a future of a Result); while `more(trials running)`.
+
+    A trial that lands on a candidate the study has already met costs nothing but says
+    nothing new either: the study is then told to try next the unmet candidate nearest to
+    it (fewest steps along the ordered parts; ties drawn at random, repeatably), so it keeps
+    to the region TPE chose without circling in it."""
+    space, table = _space(cands), _table(cands)
+    met = {c for c in (_lookup(cands, _decode(t.params, space)) for t in study.trials) if c}
+    draw = random.Random(len(study.trials))
+    running: list[tuple[concurrent.futures.Future, optuna.Trial, Candidate]] = []
+    def busy() -> int:  # compiles in flight (a repeat or a cached result takes no worker)
+        return len({f for f, _, _ in running if not f.done()})
+
+    while True:
+        while busy() < workers and more(len(running)):
+            trial = study.ask()
+            parts = _suggest(trial, space)
+            cand = table.get(tuple(parts[p] for p in PARTS))
+            if cand is None:
+                _tell(study, trial, None)
+                continue
+            pending = {c for _, _, c in running}
+            if cand in met or cand in pending:
+                unmet = [c for c in cands if c not in met and c not in pending]
+                if unmet:
+                    near = _nearest(cand, unmet, space, draw)
+                    study.enqueue_trial({p: space[p].index(getattr(near, p))
+                                         for p in PARTS if len(space[p]) > 1})
+            same = next((f for f, _, c in running if c == cand), None)
+            running.append((same or submit(cand), trial, cand))
+        if not running:
+            return
+        finished, _ = concurrent.futures.wait([f for f, _, _ in running],
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+        for entry in [e for e in running if e[0] in finished]:
+            running.remove(entry)
+            future, trial, cand = entry
+            met.add(cand)
+            _tell(study, trial, future.result())
+            yield future.result()
+
+
+def _submitter(cache: Cache, evaluate: Evaluate, on_compile: Callable[[Result], None]
+               ) -> Callable[[Candidate], concurrent.futures.Future]:
+    """submit() for _trials: a cached result at once, else the evaluation's, kept in the
+    cache when it arrives."""
+    def submit(cand: Candidate) -> concurrent.futures.Future:
+        if cand in cache.results:
+            return _ready(cache.results[cand])
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def keep(future: concurrent.futures.Future) -> None:
+            try:
+                result = cache.put(cand, future.result())
+                on_compile(result)
+                out.set_result(result)
+            except BaseException as err:  # noqa: BLE001  (handed to whoever waits)
+                out.set_exception(err)
+
+        evaluate(cand).add_done_callback(keep)
+        return out
+
+    return submit
 
 
 def optimize(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate, n_trials: int,
-             study: optuna.Study, max_compiles: int | None = None) -> list[Result]:
-    """Run trials until the study holds n_trials (a re-run continues) or max_compiles new
-    compiles were spent; return the results in the order the study met them."""
-    order = [cache.results[c] for c in (_lookup(cands, t.params) for t in study.trials
-                                        if t.params) if c in cache.results]
+             study: optuna.Study, max_compiles: int | None = None, workers: int = 1
+             ) -> list[Result]:
+    """Run trials until the study has told n_trials (a re-run continues) or max_compiles new
+    compiles were spent, `workers` at a time; return the results in the order the study
+    met them."""
+    space = _space(cands)
+    order = [cache.results[c] for c in (_lookup(cands, _decode(t.params, space))
+                                        for t in study.trials if t.params)
+             if c in cache.results]
     compiles = 0
 
-    def result_of(cand: Candidate) -> Result:
+    def count(result: Result) -> None:
         nonlocal compiles
-        compiles += cand not in cache.results
-        return cache.get(cand, evaluate)
+        compiles += result.compiled
 
-    def more() -> bool:
-        return len(study.trials) < n_trials and (max_compiles is None or compiles < max_compiles)
+    def more(running: int) -> bool:
+        return (told(study) + running < n_trials
+                and (max_compiles is None or compiles + running < max_compiles))
 
-    order += list(_trials(cands, study, result_of, more))
+    order += list(_trials(cands, study, _submitter(cache, evaluate, count), more, workers))
     return order
 
 
 def exhaustive(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate) -> list[Result]:
-    return [cache.get(c, evaluate) for c in cands]
+    """Every candidate: all submitted at once (a pool compiles them as workers free up)."""
+    submit = _submitter(cache, evaluate, lambda result: None)
+    return [future.result() for future in [submit(c) for c in cands]]
 
 
 def best(results: Sequence[Result]) -> Result | None:
@@ -159,7 +279,8 @@ def best(results: Sequence[Result]) -> Result | None:
 def compiles_to_optimum(cands: Sequence[Candidate], table: dict[Candidate, Result],
                         sampler: str, seeds: Sequence[int], max_trials: int) -> list[int | None]:
     """For each seed, how many distinct candidates a fresh study compiles before it first
-    meets the exhaustive optimum (None: not within max_trials), replayed on the table."""
+    meets the exhaustive optimum (None: not within max_trials), replayed on the table one
+    trial at a time; candidates the memory bound pruned cost no compile."""
     optimum = best(list(table.values()))
     if optimum is None:
         return [None for _ in seeds]
@@ -170,9 +291,10 @@ def compiles_to_optimum(cands: Sequence[Candidate], table: dict[Candidate, Resul
                                     sampler=make_sampler(sampler, seed, max_trials))
         seen: set[Candidate] = set()
         found = None
-        for result in _trials(cands, study, table.__getitem__,
-                              lambda: len(study.trials) < max_trials):  # noqa: B023
-            seen.add(result.candidate)
+        for result in _trials(cands, study, lambda c: _ready(table[c]),  # noqa: B023
+                              lambda running: told(study) + running < max_trials):  # noqa: B023
+            if result.compiled:
+                seen.add(result.candidate)
             if math.isclose(result.value, optimum.value, rel_tol=1e-12):
                 found = len(seen)
                 break

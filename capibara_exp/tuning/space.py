@@ -2,15 +2,19 @@
 
 A candidate is a set of Hydra overrides on the experiment (partitioning, trainer and model
 keys), so compiling it is compiling the experiment as a user would run it. Shapes that
-cannot work are left out before anything compiles: model partitions that do not divide the
-chips or the heads, expert partitions that do not divide the experts, microbatches that do
-not split the batch over the batch shards.
+cannot work are left out before anything compiles, by the partitioners' own rule
+(capibara_exp/meshes.py): model partitions that do not divide the chips or the heads,
+expert partitions that do not divide the experts, microbatches that do not split the batch
+over the batch shards, and over several slices, meshes whose data axis does not hold them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
+
+from capibara_exp import meshes
 
 REMAT_POLICIES = ("none", "dots", "full")
 
@@ -24,6 +28,7 @@ class Candidate:
     remat_policy: str
     fsdp: bool  # parameters also sharded over 'data' (parameter_partitioning_dims=2)
     batch_size: int  # global
+    attention: str = "dot"  # model.attention: dot | splash (nets/attention.py)
 
     @property
     def mesh(self) -> str:
@@ -32,7 +37,7 @@ class Candidate:
     @property
     def key(self) -> str:
         return (f"mesh={self.mesh} mb={self.num_microbatches} remat={self.remat_policy} "
-                f"fsdp={int(self.fsdp)} batch={self.batch_size}")
+                f"fsdp={int(self.fsdp)} batch={self.batch_size} attn={self.attention}")
 
     def overrides(self, moe: bool) -> list[str]:
         """Hydra overrides that make the experiment this candidate."""
@@ -41,6 +46,7 @@ class Candidate:
                f"partitioning.parameter_partitioning_dims={2 if self.fsdp else 1}",
                f"trainer.num_microbatches={self.num_microbatches if self.num_microbatches > 1 else 'null'}",  # noqa: E501
                f"model.remat_policy={self.remat_policy}",
+               f"model.attention={self.attention}",
                f"data.batch_size={self.batch_size}"]
         if moe:
             out.append(f"partitioning.num_expert_partitions={self.expert}")
@@ -53,24 +59,26 @@ def divisors(n: int) -> list[int]:
 
 def mesh_shapes(chips: int, num_heads: int, num_experts: int | None,
                 model_partitions: Iterable[int] | None = None,
-                expert_partitions: Iterable[int] | None = None) -> list[tuple[int, int, int]]:
-    """(data, expert, model) shapes over `chips`; expert is 1 for dense models."""
-    shapes = []
+                expert_partitions: Iterable[int] | None = None,
+                num_slices: int = 1) -> list[tuple[int, int, int]]:
+    """(data, expert, model) shapes over `chips` that the partitioners accept
+    (meshes.mesh_axes) and the heads and experts split over; expert is 1 for dense models."""
+    shapes = set()
     for model in model_partitions or divisors(chips):
-        if chips % model or num_heads % model:
-            continue
-        rest = chips // model
-        experts = [1] if not num_experts else (expert_partitions or divisors(rest))
-        for expert in experts:
-            if rest % expert or (num_experts and num_experts % expert):
+        for expert in (expert_partitions or divisors(chips)) if num_experts else [None]:
+            try:
+                axes = meshes.mesh_axes(chips, model, expert, num_slices=num_slices)
+                meshes.check_model_dims(axes, num_heads, num_experts)
+            except ValueError:
                 continue
-            shapes.append((rest // expert, expert, model))
+            shapes.add((axes["data"], axes.get("expert", 1), axes["model"]))
     return sorted(shapes)
 
 
 def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: int, *,
                num_microbatches: Sequence[int] = (1,), remat_policies: Sequence[str] = ("none",),
                fsdp: Sequence[bool] = (False,), per_chip_batch: Sequence[int] | None = None,
+               attentions: Sequence[str] = ("dot",), num_slices: int = 1,
                model_partitions: Iterable[int] | None = None,
                expert_partitions: Iterable[int] | None = None) -> list[Candidate]:
     """Every valid combination; `per_chip_batch` replaces the experiment's global batch with
@@ -82,15 +90,17 @@ def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: 
     batches = [b * chips for b in per_chip_batch] if per_chip_batch else [batch_size]
     out = []
     for data, expert, model in mesh_shapes(chips, num_heads, num_experts, model_partitions,
-                                           expert_partitions):
+                                           expert_partitions, num_slices):
         for batch in batches:
             for mb in num_microbatches:
-                if batch % mb or (batch // mb) % (data * expert):
+                try:
+                    meshes.check_batch(batch, mb, data * expert)
+                except ValueError:
                     continue
                 for policy in remat_policies:
-                    for sharded in fsdp:
+                    for sharded, attention in itertools.product(fsdp, attentions):
                         if sharded and data == 1:
                             continue  # nothing to shard parameters over
                         out.append(Candidate(data, expert, model, mb, policy, bool(sharded),
-                                             batch))
+                                             batch, attention))
     return out
