@@ -59,16 +59,15 @@ def client_batches(parts: RunParts, client: int, num_clients: int) -> Iterator[d
 
 def build_trainer(parts: RunParts, seed: int) -> tuple[Any, TrainState]:
     """The run's trainer (compiled once) and its initial state."""
-    from capibara_exp.runtime.train_script import initial_state
+    from capibara_exp.runtime.state import initial_state, make_trainer
 
     cfg = parts.train_dataset_cfg
     length = max(cfg.task_feature_lengths.values())
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     state, axes = initial_state(parts.model, init_rng, cfg.batch_size, length)
-    trainer = parts.trainer_cls(model=parts.model, train_state=state, partitioner=parts.partitioner,
-                                eval_names=[], summary_dir=None, train_state_axes=axes,
-                                rng=dropout_rng)
-    return trainer, jax.device_put(state, trainer.state_shardings)
+    trainer = make_trainer(parts.trainer_cls, parts.model, parts.partitioner, state, axes,
+                           dropout_rng, cfg.batch_size, None, **parts.trainer_features)
+    return trainer, trainer.prepare_state(state)
 
 
 def local_steps(trainer: Any, state: TrainState, batches: Iterator[dict], steps: int) -> TrainState:

@@ -140,6 +140,19 @@ class MetricsWriter:
             tb.close()
 
 
+class NullWriter:
+    """The metrics writer of processes other than 0: they report nothing."""
+
+    def write(self, *args: Any) -> None:
+        pass
+
+    def text(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Progress:
     """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal."""
 
