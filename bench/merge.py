@@ -102,7 +102,7 @@ def end_to_end(n: int, mb: int, reps: int, rng: np.random.Generator) -> None:
     from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import MergeSpec, merge
-    from capibara_exp.runtime import checkpoints
+    from capibara_exp.runtime import checkpoints, integrity
 
     # A decoder-like tree: two big matrices and a few small leaves per candidate.
     big = mb * (1 << 20) // 4 // 2
@@ -145,7 +145,7 @@ def end_to_end(n: int, mb: int, reps: int, rng: np.random.Generator) -> None:
         for label, gate in gates.items():
             if not gate.require_manifest:
                 for c in cands:
-                    (c.step_dir / checkpoints.MANIFEST).unlink()
+                    (c.step_dir / integrity.MANIFEST).unlink()
             for method in ("uniform", "median"):
 
                 def timed(method=method, gate=gate) -> float:

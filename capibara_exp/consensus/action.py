@@ -35,17 +35,17 @@ def write_missing_manifests(model_dir: str | Path) -> list[Path]:
     manager keeps only so many) is skipped."""
     import jax
 
-    from capibara_exp.runtime import checkpoints
+    from capibara_exp.runtime import checkpoints, integrity
 
     if jax.process_index() != 0:
         return []
     written = []
     for step in checkpoints.steps(model_dir):
         step_dir = Path(model_dir) / f"{checkpoints.STEP_PREFIX}_{step}"
-        if (step_dir / checkpoints.MANIFEST).is_file():
+        if (step_dir / integrity.MANIFEST).is_file():
             continue
         try:
-            written.append(checkpoints.write_manifest(step_dir))
+            written.append(integrity.write_manifest(step_dir))
         except FileNotFoundError:
             if step_dir.exists():
                 raise

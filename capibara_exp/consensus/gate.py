@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
-from capibara_exp.runtime import checkpoints
+from capibara_exp.runtime import integrity
 
 TARGET: LeafPath = ("target",)
 
@@ -55,7 +55,7 @@ class GateResult:
 
 def _integrity(c: Candidate, require_manifest: bool) -> tuple[str, str | None]:
     """(VERIFIED or UNVERIFIED, the reason to reject or None)."""
-    problems = checkpoints.verify_manifest(c.step_dir)
+    problems = integrity.verify_manifest(c.step_dir)
     if problems is None:
         return UNVERIFIED, ("no checksum manifest, integrity unverified (require_manifest=false "
                             "merges it, marked unverified)" if require_manifest else None)

@@ -156,10 +156,14 @@ def _set_aside(model_dir: str, failed: list, restored: int, say: Callable[[str],
         multihost_utils.sync_global_devices("capibara_exp: corrupt checkpoints moved aside")
 
 
-def restore_specific(ckpt: Path, template: Any) -> tuple[int, Any] | None:
+def is_step_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return (path.name.startswith(f"{checkpoints.STEP_PREFIX}_")
+            and (path / checkpoints.ITEM).is_dir())
+
+
+def restore_specific(ckpt: Path, template: Any) -> tuple[int, Any]:
     """mode 'specific': that checkpoint, which must verify (no fallback: it was asked for)."""
-    if not (ckpt.name.startswith("checkpoint_") and ckpt.is_dir()):
-        return None
     problems = integrity.verify_checkpoint(ckpt)
     if problems:
         raise checkpoints.CheckpointError(f"utils.RestoreCheckpointConfig.path: {ckpt} fails "

@@ -230,7 +230,7 @@ def _restore(state: TrainState, cfg: Any, model_dir: str, progress: Progress
         if cfg.mode == "latest" and not Path(path).is_dir():  # as in T5X
             raise ValueError(f"utils.RestoreCheckpointConfig.path: {path} is not a directory "
                              "(mode 'latest' looks for checkpoint_<step> in one)")
-        if cfg.mode == "latest" and not checkpoints.steps(path):
+        if not (checkpoints.steps(path) if cfg.mode == "latest" else resume.is_step_dir(path)):
             continue
         template = state.state_dict()
         if cfg.dtype:
