@@ -31,6 +31,12 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from omegaconf import OmegaConf
+
+    from capibara_exp.consensus import registry
+
+    if not OmegaConf.has_resolver("capibara_merge_methods"):  # the help lists the registry
+        OmegaConf.register_new_resolver("capibara_merge_methods", registry.help_text)
     _app()
 
 

@@ -104,7 +104,8 @@ class Checkpointer:
             step_prefix=STEP_PREFIX, max_to_keep=keep, create=True,
             cleanup_tmp_directories=True,  # a save a kill cut short leaves a temporary dir
             enable_async_checkpointing=async_save,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests))
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests)
+            if async_save else None)
         self._mgr = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True)})

@@ -189,6 +189,7 @@ def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(a["random_seed"]))
     batch_size, length = train_cfg.batch_size, max(train_cfg.task_feature_lengths.values())
     monitor.check_network_bound(model, length)
+    getattr(model, "frozen_params", None)  # LoRA reads its base weights here, not mid-trace
     shapes, axes = state_shapes(model, batch_size, length)
     trainer = make_trainer(a["trainer_cls"], model, a["partitioner"], shapes, axes, dropout_rng,
                            batch_size, model_dir, **trainer_features(a))
