@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,9 @@ def _text_digest(body: dict, algorithm: str) -> str:
 
 
 def _files(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """The files a manifest covers: all but the manifest (and one being written)."""
+    stem = MANIFEST.rsplit(".", 1)[0]
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.name.startswith(stem))
 
 
 def write_manifest(step_dir: str | Path, **info: Any) -> Path:
@@ -61,7 +65,8 @@ def write_manifest(step_dir: str | Path, **info: Any) -> Path:
              for p in _files(step_dir)}
     body = {"algorithm": ALGORITHM, "files": files, "info": info}
     path = step_dir / MANIFEST
-    tmp = path.with_suffix(".tmp")
+    # Unique per writer: a checksum action and the saver's callback may write one at once.
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({**body, "checksum": _text_digest(body, ALGORITHM)}, indent=1,
                               sort_keys=True))
     tmp.replace(path)  # atomic: a manifest is either complete or absent

@@ -322,7 +322,8 @@ def _after_step(run: _Run, state: TrainState, step: int) -> bool:
         if run.eval_batches and (final or step % (run.args["eval_period"] or total) == 0):
             metrics_by_task = _train_eval(run, state, step)
         if run.saver and (final or step % (save_cfg.period or total) == 0):
-            _save(run, state, step, "final" if final else "periodic")
+            # The final save is waited for: TRAIN_EVAL actions (a consensus merge) read it.
+            _save(run, state, step, "final" if final else "periodic", wait=final)
         elif extra:
             _save(run, state, step, "extra")
         stop = run_actions(run.actions.get("TRAIN_EVAL", []), state, metrics_by_task) or stop
