@@ -33,14 +33,16 @@ import numpy as np
 
 from capibara_exp.runtime import checkpoints, integrity
 
-STEPS = 12
+STEPS = 24
 RUN = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp_dim=64",
        "data.batch_size=4", "data.task_feature_lengths={targets: 64}", "trainer.eval_steps=1",
-       "trainer.eval_period=4", "trainer.stats_period=1", "schedule.warmup_steps=2",
+       "trainer.eval_period=8", "trainer.stats_period=1", "schedule.warmup_steps=2",
        f"trainer.train_steps={STEPS}", "checkpoint.checkpoint_period=2",
        "checkpoint.checkpoints_to_keep=null"]
-SMALL = {"kills": 2, "flips": 3, "sigterms": 1, "restarts": 2}
-FULL = {"kills": 20, "flips": 40, "sigterms": 10, "restarts": 5}
+SMALL = {"kills": 1, "flips": 3, "sigterms": 1, "sigints": 0, "restarts": 0}
+FULL = {"kills": 20, "flips": 40, "sigterms": 10, "sigints": 2, "restarts": 5}
+# The reference saves every step, so any step a trial stops at has its state to compare.
+REFERENCE = ["checkpoint.checkpoint_period=1"]
 
 
 def render(model_dir: Path, *overrides: str) -> Path:
@@ -53,18 +55,15 @@ def render(model_dir: Path, *overrides: str) -> Path:
 
 
 def train_here(gin: Path, **train_kwargs) -> tuple[str, object]:
-    """Train config.gin in this process; (its progress lines, the result or the exception)."""
-    from capibara_exp.runtime import gin_utils
+    """Train config.gin in this process; (its progress lines, the result or the exception).
+    With train_kwargs, config.gin is already parsed and they replace its bindings."""
+    import gin as gin_lib
+    from capibara_exp.runtime import gin_utils, train_script
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
             if train_kwargs:
-                gin_utils.parse(gin)
-                import gin as gin_lib
-
-                from capibara_exp.runtime import train_script
-
                 result = gin_lib.get_configurable(train_script.train)(**train_kwargs)
             else:
                 result = gin_utils.run_train(gin)
@@ -179,7 +178,7 @@ def flip_trial(root: Path, reference: Path, rng: random.Random, tally: Tally, i:
     out, result = train_here(render(run))
     moved = run / integrity.CORRUPT_DIR / latest.name
     said = re.search(rf"checkpoint_{STEPS} failed verification .*; moved to {moved}; falling "
-                     rf"back to checkpoint_{STEPS - 2}", out)
+                     rf"back to checkpoint_{STEPS - 1}", out)
     ok = bool(said) and (moved / integrity.REASON_FILE).is_file() and isinstance(result, tuple)
     ok = ok and same_step(run, reference, STEPS)
     tally.record("bit flip detected, fallback", ok,
@@ -195,10 +194,10 @@ def nan_trial(root: Path, kind: str, tally: Tally) -> None:
     nothing non-finite is on disk."""
     from capibara_exp.errors import TrainingDiverged
 
-    run, poison_at = root / f"nan_{kind}", {"periodic": 4, "extra": 5, "final": STEPS,
+    run, poison_at = root / f"nan_{kind}", {"periodic": 4, "extra": 5, "final": 8,
                                             "preemption": 5, "stop": 3, "fresh": 2}[kind]
     extra = ["gin_bindings=['utils.SaveCheckpointConfig.checkpoint_steps = [5]']"] \
-        if kind == "extra" else []
+        if kind == "extra" else ["trainer.train_steps=8"] if kind == "final" else []
     gin = render(run, *extra)
     out, result = train_here(gin, **_poisoned(gin, poison_at, kind))
     newest = f"checkpoint_{poison_at - 1 - (poison_at - 1) % 2}" if poison_at > 2 else None
@@ -214,7 +213,6 @@ def _poisoned(gin: Path, step: int, kind: str) -> dict:
     """train's arguments with a trainer whose params turn NaN after `step` (and, for the
     preemption kind, a SIGTERM at that step; for the stop kind, an action that stops)."""
     import gin as gin_lib
-
     from capibara_exp.runtime import gin_utils, train_script
     from capibara_exp.runtime.trainer import BaseAction
 
@@ -297,34 +295,45 @@ exec {python} "${{args[@]}}"
 
 def restart_trial(root: Path, reference: Path, rng: random.Random, tally: Tally,
                   kills: int) -> None:
-    """The launch script's loop restarts a worker killed `kills` times at random moments;
-    the job then finishes with the reference's state."""
+    """The launch script's loop restarts a worker killed `kills` times at random moments
+    (while it starts, or while it trains); the job then ends with the reference's state."""
     from tests.fakes import executable, fake_slice, launch_script
 
-    shared = root / "slice" / "shared"
-    run = shared / "run"
+    slice_dir = root / "slice"
+    run = slice_dir / "shared" / "run"
     gin = render(run)
-    env = fake_slice(root / "slice")
-    python = executable(root / "slice" / "python", WRAPPER.format(python=sys.executable))
-    script = launch_script(root / "slice", gin, run, str(python), max_restarts=kills,
+    env = fake_slice(slice_dir)
+    python = executable(slice_dir / "python", WRAPPER.format(python=sys.executable))
+    script = launch_script(slice_dir, gin, run, str(python), max_restarts=kills,
                            restart_backoff_s=0)
-    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    pid_file, killed = root / "slice" / "python.pid", 0
+    out = slice_dir / "job.log"
+    job = subprocess.Popen(["bash", str(script)], env=env, stdout=out.open("w"),
+                           stderr=subprocess.STDOUT)
+    pid_file, killed = slice_dir / "python.pid", 0
     while killed < kills and job.poll() is None:
         pid = _new_pid(pid_file, job)
-        time.sleep(rng.uniform(2.0, 12.0))
+        trained = out.read_text().count("compiled and ran step")
+        if rng.random() < 0.5:  # while it trains: a few steps in
+            _wait_for_count(out, "compiled and ran step", trained + 1, job)
+            time.sleep(rng.uniform(0.0, 0.3))
+        else:  # while it starts up
+            time.sleep(rng.uniform(0.5, 4.0))
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             killed += 1
         pid_file.unlink(missing_ok=True)
-    job.wait(timeout=600)
-    log = (root / "slice" / "launch_tpu_vm.log").read_text()
+    job.wait(timeout=900)
+    log = (slice_dir / "launch_tpu_vm.log").read_text()
     restarts = len(re.findall(r"restart \d+ of", log))
     ok = job.returncode == 0 and restarts == killed == kills and same_step(run, reference, STEPS)
     tally.record("killed-worker restarts", ok,
                  f"{killed} kills, {restarts} restarts logged, exit {job.returncode}, final "
                  f"{'equal' if ok else 'DIFFERS'}")
+
+
+def _wait_for_count(log: Path, text: str, count: int, proc: subprocess.Popen) -> None:
+    while proc.poll() is None and log.read_text().count(text) < count:
+        time.sleep(0.05)
 
 
 def _new_pid(pid_file: Path, job: subprocess.Popen) -> int:
@@ -338,10 +347,10 @@ def _new_pid(pid_file: Path, job: subprocess.Popen) -> int:
 # ---- poisoned and absurd merge parameters ---------------------------------------------------
 
 BAD_MERGES = [
-    (["method=weighted", "weights=[.inf,1,1]"], "weights: must be a list of finite numbers"),
+    (["method=weighted", "weights=[inf,1,1]"], "weights: must be a list of finite numbers"),
     (["method=weighted", "weights=[-1,1,1]"], "weights: must be >= 0 with a positive sum"),
-    (["method=task_arithmetic", "scale=.nan", "base=BASE"], "scale: must be a finite number"),
-    (["method=task_arithmetic", "scale=1e38", "base=BASE"], "merged state not written"),
+    (["method=task_arithmetic", "scale=nan", "base=BASE"], "scale: must be a finite number"),
+    (["method=task_arithmetic", "scale=1e300", "base=BASE"], "merged state not written"),
     (["method=fedavg", "fedavg.num_clients=0", "runs=RUN0"], "fedavg.num_clients must be"),
     (["method=fedavg", "fedavg.noise_multiplier=-1", "runs=RUN0"], "noise_multiplier must be"),
     (["last_k=0", "runs=RUN0"], "last_k must be an integer >= 1"),
@@ -356,7 +365,7 @@ BAD_MERGES = [
     (["method=ties", "density=0", "base=BASE"], "density: must be in (0, 1]"),
     (["method=learned", "learn_steps=0"], "learn_steps: must be an integer >= 1"),
     (["gate.min_pass_fraction=2"], "gate.min_pass_fraction must be in [0, 1]"),
-    (["gate.max_distance_ratio=.nan"], "gate.max_distance_ratio must be a finite number"),
+    (["gate.max_distance_ratio=nan"], "gate.max_distance_ratio must be a finite number"),
 ]
 
 
@@ -367,9 +376,10 @@ def merge_trials(root: Path, reference: Path, tally: Tally, console: bool) -> No
     base = checkpoints.step_dir(reference, 2)
     for overrides, message in BAD_MERGES:
         out = root / f"merge{len(tally.results.get('bad merge parameter', []))}"
-        args = [f"runs=[{','.join(map(str, runs))}]", f"out={out}", *overrides,
-                "gate.max_val_loss_ratio=null"]
-        args = [a.replace("BASE", str(base)).replace("RUN0", str(reference)) for a in args]
+        given = [a.replace("BASE", str(base)).replace("RUN0", str(reference)) for a in overrides]
+        args = [*([] if any(a.startswith("runs=") for a in given) else
+                  [f"runs=[{','.join(map(str, runs))}]"]),
+                f"out={out}", *given, "gate.max_val_loss_ratio=null"]
         code, text = _merge_cli(args) if console else _merge_here(args)
         lines = [line for line in text.splitlines() if line.startswith("capibara-exp-merge:")]
         ok = code == 2 and len(lines) == 1 and message in lines[0] and not checkpoints.steps(out)
@@ -398,10 +408,11 @@ def _merge_here(args: list[str]) -> tuple[int, str]:
     try:
         with contextlib.redirect_stderr(err), user_errors("capibara-exp-merge", ConsensusError,
                                                           ValueError, FileNotFoundError):
-            command.run_merge(cfg)
+            rep = command.run_merge(cfg)
     except SystemExit as exit_:
         return int(exit_.code), err.getvalue()
-    return 0, err.getvalue()
+    return 0, err.getvalue() + "".join(f"capibara-exp-merge: {line}\n"
+                                       for line in command.console_lines(rep))
 
 
 def poisoned_candidates(root: Path, reference: Path, tally: Tally) -> None:
@@ -411,9 +422,10 @@ def poisoned_candidates(root: Path, reference: Path, tally: Tally) -> None:
 
     honest = [checkpoints.step_dir(reference, s) for s in (STEPS - 4, STEPS - 2, STEPS)]
     foreign = root / "foreign"
-    for name, fn in (("nan", lambda x: x * np.nan), ("huge", lambda x: x * 1e6)):
-        t = jax.tree.map(lambda x: fn(x) if np.issubdtype(np.asarray(x).dtype, np.floating)
-                         else x, tree(honest[-1]))
+    for name, factor in (("nan", np.nan), ("huge", 1e6)):
+        t = jax.tree.map(lambda x, f=factor: x * f if np.issubdtype(np.asarray(x).dtype,
+                                                                     np.floating) else x,
+                         tree(honest[-1]))
         options = ocp.CheckpointManagerOptions(step_prefix="checkpoint", create=True,
                                                enable_async_checkpointing=False)
         with ocp.CheckpointManager((foreign / name).absolute(), options=options, item_handlers={
@@ -421,8 +433,9 @@ def poisoned_candidates(root: Path, reference: Path, tally: Tally) -> None:
             mgr.save(STEPS, args=ocp.args.Composite(state=ocp.args.PyTreeSave(t)), force=True)
         integrity.write_manifest(checkpoints.step_dir(foreign / name, STEPS))
     out = root / "merged"
-    code, text = _merge_here([f"runs=[{','.join(map(str, [*honest, foreign / 'nan', foreign / 'huge']))}]",
-                              f"out={out}", "method=uniform", "gate.max_val_loss_ratio=null"])
+    everyone = ",".join(map(str, [*honest, foreign / "nan", foreign / "huge"]))
+    code, text = _merge_here([f"runs=[{everyone}]", f"out={out}", "method=uniform",
+                              "gate.max_val_loss_ratio=null"])
     named = all(re.search(rf"rejected {n}/checkpoint_{STEPS}: ", text) for n in ("nan", "huge"))
     ok = code == 0 and named and not nonfinite_checkpoints(out)
     tally.record("poisoned candidates named", ok, " | ".join(
@@ -434,7 +447,7 @@ def poisoned_candidates(root: Path, reference: Path, tally: Tally) -> None:
 def torture(root: Path, counts: dict[str, int], seed: int, console: bool = False) -> Tally:
     rng, tally = random.Random(seed), Tally()
     reference = root / "reference"
-    _, result = train_here(render(reference))
+    _, result = train_here(render(reference, *REFERENCE))
     assert isinstance(result, tuple), f"the reference run failed: {result!r}"
     cases: list[Callable[[], None]] = [
         *(lambda i=i: kill_trial(root, reference, rng, tally, i) for i in range(counts["kills"])),
@@ -444,8 +457,10 @@ def torture(root: Path, counts: dict[str, int], seed: int, console: bool = False
         lambda: guard_trial(root, tally),
         *(lambda i=i: sigterm_trial(root, reference, rng, tally, i)
           for i in range(counts["sigterms"])),
-        lambda: sigterm_trial(root, reference, rng, tally, counts["sigterms"], signal.SIGINT),
-        lambda: restart_trial(root, reference, rng, tally, counts["restarts"]),
+        *(lambda i=i: sigterm_trial(root, reference, rng, tally, counts["sigterms"] + i,
+                                    signal.SIGINT) for i in range(counts["sigints"])),
+        *([lambda: restart_trial(root, reference, rng, tally, counts["restarts"])]
+          if counts["restarts"] else []),
         lambda: merge_trials(root, reference, tally, console),
         lambda: poisoned_candidates(root, reference, tally),
     ]
@@ -464,6 +479,12 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("CAPIBARA_DATA_DIR", str(Path("data").absolute()))
     root = args.out or Path(tempfile.mkdtemp(prefix="capibara-torture-"))
+    # One compilation cache for this process and the workers it starts: the many runs of
+    # one tiny model compile its steps once (a cached program computes the same numbers).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / "jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     t0 = time.perf_counter()
     tally = torture(root, FULL if args.full else SMALL, args.seed, console=args.full)
     print(f"torture ({'full' if args.full else 'small'}, seed {args.seed}, "

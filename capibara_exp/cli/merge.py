@@ -16,7 +16,7 @@ PROG = "capibara-exp-merge"
 
 @hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
 def _app(cfg: DictConfig) -> None:
-    from capibara_exp.consensus import command, report
+    from capibara_exp.consensus import command
     from capibara_exp.consensus.gate import ConsensusError
 
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -25,9 +25,8 @@ def _app(cfg: DictConfig) -> None:
                    "e.g. 'runs=[outputs/a,outputs/b]' out=merged")
     with user_errors(PROG, ConsensusError, ValueError, FileNotFoundError):
         rep = command.run_merge(cfg)
-    for line in ([] if "rounds" in rep else report.warning_lines(rep)):
+    for line in command.console_lines(rep):
         print(f"{PROG}: {line}", file=sys.stderr)
-    print(f"{PROG}: {command.summary(rep)}", file=sys.stderr)
 
 
 def main() -> None:

@@ -98,6 +98,14 @@ def run_fedavg(cfg: DictConfig, runs: list[str]) -> dict:
     return federated.fedavg(parts, fed, evaluator, Path(cfg.out))[1]
 
 
+def console_lines(rep: dict) -> list[str]:
+    """What the console script prints after a merge: every rejected candidate, the
+    warnings, and the summary."""
+    from capibara_exp.consensus import report
+
+    return [*([] if "rounds" in rep else report.warning_lines(rep)), summary(rep)]
+
+
 def summary(rep: dict) -> str:
     if "rounds" in rep:  # FedAvg
         eps = f", epsilon {rep['epsilon']:.3g} at delta {rep['delta']}" if rep["epsilon"] else ""
