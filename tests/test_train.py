@@ -61,6 +61,11 @@ def test_two_step_training_writes_checkpoint_metrics_and_configs(tmp_path: Path,
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["split"] == "train_eval"]
     assert evals and np.isfinite(evals[-1]["loss"]) and 0 <= evals[-1]["accuracy"] <= 1
+    last = [r for r in records if r["split"] == "train"][-1]  # memory beside the step metrics
+    assert 1e7 < last["memory/host_rss_bytes"] <= last["memory/host_rss_peak_bytes"] \
+        < last["memory/host_limit_bytes"]
+    info = json.loads((tmp_path / "checkpoint_2" / "capibara_manifest.json").read_text())["info"]
+    assert info == {"step": 2, "kind": "final", "finite": True}
     assert (tmp_path / "config.gin").exists()
     operative = (tmp_path / "operative_config.gin").read_text()
     assert "EMB_DIM = 32" in operative and "nets.DecoderConfig.emb_dim = %EMB_DIM" in operative
@@ -116,6 +121,26 @@ def test_checkpoint_steps_add_saves_and_only_the_last_n_are_kept(tmp_path: Path,
           "checkpoint.checkpoint_period=2", "checkpoint.checkpoints_to_keep=3",
           "gin_bindings=['utils.SaveCheckpointConfig.checkpoint_steps = [3]']")
     assert checkpoints.steps(tmp_path) == [3, 4, 6]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.batch_size=1e9", r"\(from conf key data.batch_size\): utils.DatasetConfig.batch_size "
+                            r"must be an integer, got 1000000000.0"),
+    ("data.batch_size=1000000000", r"\(from conf key data.batch_size\): .*its host batches "
+                                   r"need about .* GiB .*, more than the .* GiB this host has"),
+    ("trainer.eval_steps=1000000000", r"\(from conf key trainer.eval_steps\): .*the eval "
+                                      r"batches, held in memory .*, need about"),
+    ("model.num_layers=100000", r"\(from conf key model.num_layers\): .*num_layers=100000 .*"
+                                r"need at least .* GiB per device, more than the"),
+    ("model.emb_dim=16384", r"the train step needs .* GiB per device \(XLA's memory analysis "
+                            r"of the compiled step\), more than the .* GiB available"),
+])
+def test_sizes_that_cannot_fit_fail_before_anything_is_allocated(tmp_path, override,
+                                                                 message) -> None:
+    extra = ["model.mlp_dim=1048576"] if "emb_dim" in override else []
+    with pytest.raises(ConfigError, match=message) as err:
+        train(tmp_path, "trainer.train_steps=2", override, *extra)
+    assert "\n" not in str(err.value) and not checkpoints.steps(tmp_path)
 
 
 def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir) -> None:

@@ -278,7 +278,7 @@ def sigterm_trial(root: Path, reference: Path, rng: random.Random, tally: Tally,
           and all(s <= step for s in reported) and same_step(run, reference, step))
     _, result = train_here(gin)
     ok = ok and isinstance(result, tuple) and same_step(run, reference, STEPS)
-    tally.record("SIGTERM loses no step", ok,
+    tally.record("SIGTERM/SIGINT loses no step", ok,
                  f"exit {proc.returncode}, {said.group(0) if said else 'no preemption line'}, "
                  f"last report {max(reported, default=0)}, resumed to the reference")
 
@@ -442,6 +442,37 @@ def poisoned_candidates(root: Path, reference: Path, tally: Tally) -> None:
         line for line in text.splitlines() if "rejected" in line)[:200])
 
 
+# ---- absurd sizes ----------------------------------------------------------------------------
+
+ABSURD = [
+    ("data.batch_size=1e9", "utils.DatasetConfig.batch_size must be an integer"),
+    ("model.num_layers=1e5", "nets.DecoderConfig.num_layers must be an integer"),
+    ("trainer.eval_steps=1e9", "train_script.train.eval_steps must be an integer"),
+    ("data.batch_size=1000000000", "its host batches need about"),
+    ("trainer.eval_steps=1000000000", "the eval batches, held in memory"),
+    ("model.num_layers=100000", "need at least"),
+    ("model.emb_dim=16384 model.mlp_dim=1048576", "the train step needs"),
+]
+
+
+def absurd_trials(root: Path, tally: Tally) -> None:
+    """capibara-exp with sizes that cannot fit: exit 2 within a minute, one line naming the
+    key, the estimate and the limit, no checkpoint."""
+    script = Path(sys.executable).parent / "capibara-exp"
+    for i, (override, message) in enumerate(ABSURD):
+        model_dir = root / f"absurd{i}"
+        t0 = time.perf_counter()
+        done = subprocess.run([str(script), *RUN, *override.split(), f"model_dir={model_dir}",
+                               f"hydra.run.dir={model_dir}"], capture_output=True, text=True,
+                              timeout=600)
+        seconds = time.perf_counter() - t0
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("capibara-exp: config")]
+        ok = (done.returncode == 2 and len(lines) == 1 and message in lines[0] and seconds < 60
+              and not checkpoints.steps(model_dir))
+        tally.record("absurd size fails fast", ok, f"{override}: exit {done.returncode} in "
+                     f"{seconds:.0f}s: " + (lines[0][-170:] if lines else done.stderr[-200:]))
+
+
 # ---- the whole torture ----------------------------------------------------------------------
 
 def torture(root: Path, counts: dict[str, int], seed: int, console: bool = False) -> Tally:
@@ -462,6 +493,7 @@ def torture(root: Path, counts: dict[str, int], seed: int, console: bool = False
         *([lambda: restart_trial(root, reference, rng, tally, counts["restarts"])]
           if counts["restarts"] else []),
         lambda: merge_trials(root, reference, tally, console),
+        *([lambda: absurd_trials(root, tally)] if console else []),
         lambda: poisoned_candidates(root, reference, tally),
     ]
     for case in cases:
