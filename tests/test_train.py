@@ -130,14 +130,19 @@ def test_checkpoint_steps_add_saves_and_only_the_last_n_are_kept(tmp_path: Path,
                                    r"need about .* GiB .*, more than the .* GiB this host has"),
     ("trainer.eval_steps=1000000000", r"\(from conf key trainer.eval_steps\): .*the eval "
                                       r"batches, held in memory .*, need about"),
-    ("model.num_layers=100000", r"\(from conf key model.num_layers\): .*num_layers=100000 .*"
-                                r"need at least .* GiB per device, more than the"),
-    ("model.emb_dim=16384", r"the train step needs .* GiB per device \(XLA's memory analysis "
-                            r"of the compiled step\), more than the .* GiB available"),
+    ("model.num_layers=100000", r"\(from conf key model.num_layers\): .*num_layers=100000 "
+                                r"unrolled .*set model.scan_layers=true"),
+    ("model.num_layers=100000000", r"\(from conf key model.num_layers\): .*num_layers=100000000"
+                                   r" .*need at least .* GiB per device, more than the"),
+    ("data.batch_size=1024", r"\(from conf key data.batch_size\): .*batch_size=1024: the train "
+                             r"step needs .* GiB per device \(XLA's memory analysis of the "
+                             r"compiled step\), more than the .* GiB available"),
 ])
 def test_sizes_that_cannot_fit_fail_before_anything_is_allocated(tmp_path, override,
                                                                  message) -> None:
-    extra = ["model.mlp_dim=1048576"] if "emb_dim" in override else []
+    # 1024 x 2048 tokens: small host batches, small parameters, but attention scores of
+    # 1024 x 2 x 2048^2 floats per layer: only the compiled step's analysis sees them.
+    extra = ["data.task_feature_lengths={targets: 2048}"] if "1024" in override else []
     with pytest.raises(ConfigError, match=message) as err:
         train(tmp_path, "trainer.train_steps=2", override, *extra)
     assert "\n" not in str(err.value) and not checkpoints.steps(tmp_path)
@@ -147,7 +152,8 @@ def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir
     step, _ = train(tmp_path, "trainer.train_steps=1", "trainer.eval_period=1",
                     "checkpoint.checkpoint_period=1")
     assert step == 1 and checkpoints.steps(tmp_path) == [1]
-    splits = [json.loads(line)["split"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    splits = [json.loads(line)["split"]
+              for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "train_eval" in splits
 
 

@@ -450,8 +450,9 @@ ABSURD = [
     ("trainer.eval_steps=1e9", "train_script.train.eval_steps must be an integer"),
     ("data.batch_size=1000000000", "its host batches need about"),
     ("trainer.eval_steps=1000000000", "the eval batches, held in memory"),
-    ("model.num_layers=100000", "need at least"),
-    ("model.emb_dim=16384 model.mlp_dim=1048576", "the train step needs"),
+    ("model.num_layers=100000", "unrolled (scan_layers=False)"),
+    ("model.num_layers=100000 model.scan_layers=true model.emb_dim=4096", "need at least"),
+    ("data.batch_size=1024 data.task_feature_lengths={targets:2048}", "the train step needs"),
 ]
 
 

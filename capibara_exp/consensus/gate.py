@@ -208,7 +208,8 @@ class Observer:
     def __init__(self, pool: list[Candidate], cfg: GateConfig):
         from capibara_exp.consensus import methods
 
-        self._median = methods.median
+        self._median, self._finite = methods.median, methods.all_finite
+        self._sq_distances = methods.sq_distances_to
         self.pool = pool
         self.check_finite = cfg.check_finite
         self.ratio = cfg.max_distance_ratio if len(pool) >= 3 else None
@@ -221,13 +222,10 @@ class Observer:
         floating = bool(leaves) and np.issubdtype(np.asarray(leaves[0]).dtype, np.floating)
         if self.check_finite and floating:
             for i, x in enumerate(leaves):
-                if i not in self.bad and not bool(np.isfinite(np.asarray(x)).all()):
+                if i not in self.bad and not self._finite(x):
                     self.bad[i] = "non-finite values in " + ".".join(path)
         if self.ratio is not None and floating and path[:1] == TARGET and not self.bad:
-            med = np.asarray(self._median(leaves), np.float32)
-            for i, x in enumerate(leaves):
-                d = np.subtract(np.asarray(x), med, dtype=np.float32)
-                self.dist_sq[i] += float(np.square(d, out=d).sum(dtype=np.float64))
+            self.dist_sq += self._sq_distances(leaves, self._median(leaves))
 
     def unreadable(self, i: int, err: BaseException) -> None:
         self.bad.setdefault(i, f"unreadable ({type(err).__name__}: {str(err)[:200]})")

@@ -23,6 +23,9 @@ GiB = float(1 << 30)
 # being placed on the devices, and (on CPU) the device copy itself, with room to spare.
 TRAIN_BATCH_COPIES = 4
 PREFIX = "memory/"
+# Unrolled layers each trace (tens of ms here) and compile on their own: past this many, a
+# run would spend hours before its first step (the deepest published models have ~100-200).
+MAX_UNROLLED_LAYERS = 1024
 
 
 def _gib(n: float) -> str:
@@ -111,7 +114,7 @@ def check_integer_sizes(model: Any) -> None:
 def check_network_bound(model: Any, length: int) -> None:
     """Before the network is traced (tracing 10^5 layers alone takes an hour): a lower bound
     on what one device must hold, the parameters fully sharded and one saved activation per
-    layer for one example, against a device's memory."""
+    layer for one example, against a device's memory; and a depth that can be traced."""
     cfg = getattr(getattr(model, "module", None), "config", None)
     names = ("num_layers", "emb_dim", "num_heads", "head_dim", "mlp_dim", "vocab_size")
     if cfg is None or not all(isinstance(getattr(cfg, n, None), int) for n in names):
@@ -124,6 +127,12 @@ def check_network_bound(model: Any, length: int) -> None:
     embedding = 4.0 * cfg.vocab_size * d / jax.device_count()
     limit, what = device_limit_bytes()
     if depth + embedding <= limit:
+        if layers > MAX_UNROLLED_LAYERS and not getattr(cfg, "scan_layers", False):
+            raise ConfigError(
+                f"nets.{type(cfg).__name__}.num_layers={layers} unrolled (scan_layers=False): "
+                f"tracing and compiling that many copies of a layer takes hours; set "
+                f"model.scan_layers=true (one scanned layer: compile time flat in depth) or "
+                f"unroll at most {MAX_UNROLLED_LAYERS}")
         return
     culprit = (f"nets.{type(cfg).__name__}.num_layers={layers}" if depth >= embedding else
                f"nets.{type(cfg).__name__}.vocab_size={cfg.vocab_size}")
@@ -155,15 +164,14 @@ def check_host_sizes(train_cfg: Any, eval_cfg: Any, eval_steps: int, num_feature
 
 
 def step_bytes(compiled: Any) -> float:
-    """Bytes per device a compiled step needs, from XLA's memory analysis: its peak where
-    the backend reports one, else arguments + outputs - aliased + temporaries + code."""
+    """Bytes per device a compiled step needs, from XLA's memory analysis: arguments +
+    outputs - aliased + temporaries + code, or the backend's peak when larger (TPU reports a
+    true peak; the CPU's leaves the temporaries out of it)."""
     stats = compiled.memory_analysis()
-    peak = getattr(stats, "peak_memory_in_bytes", 0)
-    if peak:
-        return float(peak)
-    return float(stats.argument_size_in_bytes + stats.output_size_in_bytes
-                 - stats.alias_size_in_bytes + stats.temp_size_in_bytes
-                 + stats.generated_code_size_in_bytes)
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+             + stats.generated_code_size_in_bytes)
+    return float(max(total, getattr(stats, "peak_memory_in_bytes", 0) or 0))
 
 
 def device_limit_bytes() -> tuple[float, str]:
@@ -177,14 +185,15 @@ def device_limit_bytes() -> tuple[float, str]:
                                         f"available on this host per device ({n} devices)")
 
 
-def check_step_fits(compiled: Any, watch: MemoryWatch) -> float:
-    """The compiled step's bytes per device; ConfigError when over the limit, a warning
-    line when over the warn fraction of it."""
+def check_step_fits(compiled: Any, watch: MemoryWatch, batch_size: int) -> float:
+    """The compiled step's bytes per device; ConfigError when over the limit (naming the
+    batch size, the first thing to lower), a warning line when over the warn fraction."""
     need = step_bytes(compiled)
     limit, what = device_limit_bytes()
     if need > limit:
         raise ConfigError(
-            f"the train step needs {_gib(need)} per device (XLA's memory analysis of the "
+            f"train/utils.DatasetConfig.batch_size={batch_size}: the train step needs "
+            f"{_gib(need)} per device (XLA's memory analysis of the "
             f"compiled step), more than the {_gib(limit)} {what}: lower data.batch_size or the "
             "model's sizes, raise trainer.num_microbatches, set model.remat_policy=full, or "
             "shard the parameters over more devices")

@@ -196,7 +196,7 @@ def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
     # Compiled here, before any array exists: a step that cannot fit is an error, not an
     # out-of-memory kill; the first train step then runs this executable.
     monitor.check_step_fits(trainer.lower_train_step(*placed_shapes(trainer, shapes, features))
-                            .compile(), watch)
+                            .compile(), watch, batch_size)
     state = trainer.prepare_state(initial_state(model, init_rng, batch_size, length)[0])
     max_skips = trainer.max_consecutive_skips if trainer.skip_nonfinite_updates else None
     run = _Run(a, trainer, model_dir, epoch, a["stats_period"] or epoch, actions,
