@@ -101,26 +101,33 @@ def aggregation(n: int, mb: int, reps: int, rng: np.random.Generator) -> bool:
     return ok
 
 
+def candidates(n: int, side: int, root: Path, rng: np.random.Generator) -> list:
+    """n T5X-layout checkpoints of a decoder-like tree: two big matrices and a small leaf."""
+    from capibara_exp.consensus import store
+    from capibara_exp.runtime import checkpoints
+
+    cands = []
+    for i in range(n):
+        tree = {"target": {"wi": rng.standard_normal((side, side), dtype=np.float32),
+                           "wo": rng.standard_normal((side, side), dtype=np.float32),
+                           "scale": np.ones(side, np.float32)},
+                "state": {"step": np.asarray(10, np.int32)}}
+        mgr = checkpoints.manager(root / f"c{i}")
+        checkpoints.save(mgr, 10, tree)
+        mgr.close()
+        cands.append(store.candidate_from_path(root / f"c{i}"))
+    return cands
+
+
 def end_to_end(n: int, mb: int, reps: int, rng: np.random.Generator) -> bool:
     from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import MergeSpec, merge
-    from capibara_exp.runtime import checkpoints, integrity
+    from capibara_exp.runtime import integrity
 
-    # A decoder-like tree: two big matrices and a few small leaves per candidate.
-    big = mb * (1 << 20) // 4 // 2
-    side = int(np.sqrt(big))
+    side = int(np.sqrt(mb * (1 << 20) // 4 // 2))
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
-        cands = []
-        for i in range(n):
-            tree = {"target": {"wi": rng.standard_normal((side, side), dtype=np.float32),
-                               "wo": rng.standard_normal((side, side), dtype=np.float32),
-                               "scale": np.ones(side, np.float32)},
-                    "state": {"step": np.asarray(10, np.int32)}}
-            mgr = checkpoints.manager(Path(tmp) / f"c{i}")
-            checkpoints.save(mgr, 10, tree)
-            mgr.close()
-            cands.append(store.candidate_from_path(Path(tmp) / f"c{i}"))
+        cands = candidates(n, side, Path(tmp), rng)
         read_gb = n * 2 * side * side * 4 / 1e9
         sample = [rng.standard_normal(side * side, dtype=np.float32) for _ in range(n)]
         dst = np.empty_like(sample[0])

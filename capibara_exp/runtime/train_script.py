@@ -144,18 +144,7 @@ def train(
     the host's memory above which a warning line is printed (runtime/monitor.py).
     """
     args = dict(locals())
-    reject_unsupported("train_script.train", infer_eval_dataset_cfg=infer_eval_dataset_cfg,
-                       use_hardware_rng=use_hardware_rng,
-                       inference_evaluator_cls=inference_evaluator_cls,
-                       get_dataset_fn=get_dataset_fn,
-                       train_eval_get_dataset_fn=train_eval_get_dataset_fn,
-                       train_state_initializer_cls=train_state_initializer_cls,
-                       verify_matching_vocabs_fn=verify_matching_vocabs_fn)
-    require_value("train_script.train", "use_orbax", use_orbax, True, "checkpoints with Orbax")
-    require_value("train_script.train", "gc_period", gc_period, 0,
-                  "leaves garbage collection to Python")
-    _check_counts(total_steps=total_steps, eval_steps=eval_steps, eval_period=eval_period,
-                  stats_period=stats_period)
+    _check_arguments(args)
     run, state = _setup(args)
     try:
         state, start_step = _restore(state, checkpoint_cfg.restore, run.model_dir, run.progress)
@@ -165,6 +154,20 @@ def train(
         run.close()
     run.progress.message(f"finished at step {step}; checkpoints in {run.model_dir}")
     return step, state
+
+
+def _check_arguments(a: dict[str, Any]) -> None:
+    """T5X parameters the local engine does not implement, and step counts, as errors."""
+    reject_unsupported("train_script.train", **{k: a[k] for k in (
+        "infer_eval_dataset_cfg", "use_hardware_rng", "inference_evaluator_cls",
+        "get_dataset_fn", "train_eval_get_dataset_fn", "train_state_initializer_cls",
+        "verify_matching_vocabs_fn")})
+    require_value("train_script.train", "use_orbax", a["use_orbax"], True,
+                  "checkpoints with Orbax")
+    require_value("train_script.train", "gc_period", a["gc_period"], 0,
+                  "leaves garbage collection to Python")
+    _check_counts(**{k: a[k] for k in ("total_steps", "eval_steps", "eval_period",
+                                       "stats_period")})
 
 
 def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
