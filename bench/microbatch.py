@@ -87,7 +87,7 @@ def main() -> None:
 
     from capibara_exp.runtime import inputs
     from capibara_exp.runtime.metrics import matmul_peak_flops, model_flops_per_token
-    from capibara_exp.runtime.train_script import initial_state
+    from capibara_exp.runtime.state import initial_state
 
     with tempfile.TemporaryDirectory() as tmp:
         model, data_cfg, trainer_cls, partitioner = build(

@@ -59,7 +59,7 @@ def make_trainer(kind: str, devices: int, batch_size: int, length: int,
     """(trainer, state on its devices) of one model."""
     import jax
 
-    from capibara_exp.runtime.train_script import initial_state
+    from capibara_exp.runtime.state import initial_state
 
     model, partitioner, trainer_cls, extra = build(kind, devices)
     state, axes = initial_state(model, jax.random.PRNGKey(0), batch_size, length)

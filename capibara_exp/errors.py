@@ -2,7 +2,8 @@
 
 The console scripts map them to exit codes (capibara_exp/cli/common.py): a ConfigError is
 the user's to fix (exit 2, one line naming the key, file or line); any other exception is
-an internal failure (exit 1, with its traceback).
+an internal failure (exit 1, with its traceback). A preempted run exits with
+PREEMPTED_EXIT_CODE (75) after saving a checkpoint of its last finished step.
 """
 
 
@@ -13,3 +14,27 @@ class ConfigError(ValueError):
 class RunError(RuntimeError):
     """A correctly configured run that could not go on (diverged, preempted, out of memory);
     the message says what was kept (e.g. the last good checkpoint)."""
+
+
+class TrainingDiverged(RunError):
+    """The loss or gradient became NaN/Inf (too often, under the skip policy), or a state to
+    be saved held NaN/Inf; nothing non-finite was written, and the message names the newest
+    finite checkpoint (or says there is none)."""
+
+
+# sysexits.h's EX_TEMPFAIL ("temporary failure; the user is invited to retry"): a preempted
+# run saved the last finished step and resumes from it when started again.
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(SystemExit):
+    """SIGTERM/SIGINT (or a preemption notice on any host) stopped training after a step and
+    a checkpoint of that step was saved. A SystemExit: the process ends with
+    PREEMPTED_EXIT_CODE, past Hydra's and the console scripts' error handling."""
+
+    def __init__(self, message: str):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

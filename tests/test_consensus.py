@@ -16,7 +16,7 @@ from capibara_exp.consensus import action, evaluate, federated, methods, report,
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, run_gate
 from capibara_exp.consensus.merge import REPORT, MergeSpec, merge
 from capibara_exp.errors import ConfigError
-from capibara_exp.runtime import checkpoints
+from capibara_exp.runtime import checkpoints, integrity
 from capibara_exp.runtime.trainer import TrainState
 from tests.conftest import compose_config
 
@@ -62,6 +62,19 @@ def setup(tmp_path_factory, data_dir):
             "honest": honest, "evaluator": selection, "report_evaluator": held_out}
 
 
+def save_foreign(model_dir: Path, step: int, tree: dict, config_gin: Path) -> store.Candidate:
+    """A checkpoint another tool wrote with Orbax (the runtime refuses NaN states), with a
+    manifest: the gate must judge its values, not its integrity."""
+    options = ocp.CheckpointManagerOptions(step_prefix="checkpoint", create=True,
+                                           enable_async_checkpointing=False)
+    with ocp.CheckpointManager(model_dir.absolute(), options=options, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(use_ocdbt=True)}) as mgr:
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)), force=True)
+    integrity.write_manifest(model_dir / f"checkpoint_{step}")
+    shutil.copy(config_gin, model_dir / run.CONFIG_GIN)
+    return store.candidate_from_path(model_dir, name=model_dir.name)
+
+
 def corrupt(setup: dict, source: store.Candidate, kind: str) -> store.Candidate:
     """A Byzantine candidate: every float leaf NaN, x100, sign-flipped or random noise."""
     rng = np.random.default_rng(abs(hash(kind)) % 2**32)
@@ -73,7 +86,7 @@ def corrupt(setup: dict, source: store.Candidate, kind: str) -> store.Candidate:
     path = setup["root"] / f"bad_{kind}"
     if path.exists():
         return store.candidate_from_path(path, name=path.name)
-    return save_tree(path, source.step, tree, setup["config_gin"])
+    return save_foreign(path, source.step, tree, setup["config_gin"])
 
 
 def target_leaves(step_dir: Path) -> list[np.ndarray]:
@@ -88,7 +101,7 @@ def test_uniform_merge_is_the_mean_and_writes_report_and_plot(setup, tmp_path) -
     assert not np.array_equal(cands[0][0], cands[1][0])  # the candidates really differ
     for got, *xs in zip(target_leaves(merged), *cands, strict=True):
         np.testing.assert_allclose(got, np.mean(xs, axis=0), rtol=1e-6, atol=1e-7)
-    assert checkpoints.verify_manifest(merged) == []
+    assert integrity.verify_manifest(merged) == []
     report = (tmp_path / REPORT).read_text()
     assert all(c.name in report for c in setup["honest"])
     assert rep["val_loss"]["merged"] < max(r["val_loss"] for r in rep["candidates"])
@@ -107,8 +120,8 @@ def test_bit_flip_and_truncation_are_detected_and_excluded(setup, tmp_path) -> N
     cut_file = cut / victim.relative_to(flipped)
     cut_file.write_bytes(cut_file.read_bytes()[:-7])
     step_dir = flipped / f"checkpoint_{LOCAL_STEPS}"
-    problems = checkpoints.verify_manifest(step_dir)
-    assert problems and "SHA-256 differs" in problems[0] and victim.name in problems[0]
+    problems = integrity.verify_manifest(step_dir)
+    assert problems and "BLAKE3 digest differs" in problems[0] and victim.name in problems[0]
     cands = [store.candidate_from_path(flipped, "flipped"), store.candidate_from_path(cut, "cut"),
              *setup["honest"][:3]]
     with store.LeafReader() as reader:
@@ -129,6 +142,13 @@ def honest_loss(setup: dict) -> float:
 @pytest.mark.parametrize("kinds", [("nan", "scaled"), ("sign_flip", "noise")])
 def test_the_attacks_wreck_a_plain_average(setup, tmp_path, kinds) -> None:
     bad = [corrupt(setup, setup["honest"][i], k) for i, k in enumerate(kinds)]
+    if "nan" in kinds:  # a NaN mean is never written, gate or no gate
+        with pytest.raises(ValueError, match=r"merged state not written: method=uniform gave "
+                                             r"non-finite values in "):
+            merge([*setup["honest"], *bad], MergeSpec("uniform"), tmp_path, setup["evaluator"],
+                  OFF)
+        assert checkpoints.steps(tmp_path) == [] and not (tmp_path / REPORT).exists()
+        return
     naive = merge([*setup["honest"], *bad], MergeSpec("uniform"), tmp_path, setup["evaluator"], OFF)
     assert not naive["val_loss"]["merged"] <= 1.05 * honest_loss(setup), naive
 
@@ -250,7 +270,7 @@ def test_fedavg_with_dp_reports_epsilon_and_learns(setup, tmp_path) -> None:
     assert int(written["state"]["step"]) == 4
     assert setup["evaluator"].loss(written["target"]) == pytest.approx(
         rep["rounds"][-1]["val_loss"], rel=1e-6)
-    assert checkpoints.verify_manifest(Path(rep["checkpoint"])) == []
+    assert integrity.verify_manifest(Path(rep["checkpoint"])) == []
     assert (tmp_path / federated.REPORT).is_file()
     assert 0 < rep["epsilon"] < float("inf") and int(state.step) == 4
     tighter = federated.epsilon(federated.FedConfig(rounds=2, clip_norm=1.0, noise_multiplier=0.5))
@@ -388,15 +408,15 @@ def test_checksum_action_gives_manifests_to_checkpoints_written_without_them(set
     model_dir = tmp_path / "t5x_run"
     shutil.copytree(setup["honest"][0].step_dir.parent, model_dir)
     step_dir = model_dir / f"checkpoint_{LOCAL_STEPS}"
-    (step_dir / checkpoints.MANIFEST).unlink()
+    (step_dir / integrity.MANIFEST).unlink()
     in_flight = model_dir / f"checkpoint_{2 * LOCAL_STEPS}.orbax-checkpoint-tmp-1"
     shutil.copytree(step_dir, in_flight)  # Orbax renames it when finished: not yet a checkpoint
-    assert checkpoints.verify_manifest(step_dir) is None
+    assert integrity.verify_manifest(step_dir) is None
     act = action.ChecksumCheckpoints(str(model_dir))
     assert act.run(TrainState(step=LOCAL_STEPS, params=None, opt_state=None), {}) is False
-    assert act.manifests_written == [step_dir / checkpoints.MANIFEST]
-    assert checkpoints.verify_manifest(step_dir) == []
-    assert not (in_flight / checkpoints.MANIFEST).exists()
+    assert act.manifests_written == [step_dir / integrity.MANIFEST]
+    assert integrity.verify_manifest(step_dir) == []
+    assert not (in_flight / integrity.MANIFEST).exists()
     act.run(TrainState(step=LOCAL_STEPS, params=None, opt_state=None), {})
     assert len(act.manifests_written) == 1  # an existing manifest is never rewritten
     victim = max((p for p in step_dir.rglob("*") if p.is_file() and "ocdbt" in str(p.parent)),
@@ -404,12 +424,12 @@ def test_checksum_action_gives_manifests_to_checkpoints_written_without_them(set
     data = bytearray(victim.read_bytes())
     data[len(data) // 3] ^= 0x01
     victim.write_bytes(bytes(data))  # damage after the manifest: a merge now catches it
-    assert "SHA-256 differs" in checkpoints.verify_manifest(step_dir)[0]
+    assert "BLAKE3 digest differs" in integrity.verify_manifest(step_dir)[0]
     # ConsensusMerge does the same on every call before its final merge.
-    (step_dir / checkpoints.MANIFEST).unlink()
+    (step_dir / integrity.MANIFEST).unlink()
     merge_act = action.ConsensusMerge(str(model_dir), total_steps=100)
     merge_act.run(TrainState(step=LOCAL_STEPS, params=None, opt_state=None), {})
-    assert merge_act.manifests_written == [step_dir / checkpoints.MANIFEST]
+    assert merge_act.manifests_written == [step_dir / integrity.MANIFEST]
     assert merge_act.fired_at is None
 
 
@@ -418,7 +438,7 @@ def test_no_manifest_is_rejected_by_default_or_merged_marked_unverified(setup, t
 
     bare = tmp_path / "nomanifest"
     shutil.copytree(setup["honest"][0].step_dir.parent, bare)
-    (bare / f"checkpoint_{LOCAL_STEPS}" / checkpoints.MANIFEST).unlink()
+    (bare / f"checkpoint_{LOCAL_STEPS}" / integrity.MANIFEST).unlink()
     cands = [store.candidate_from_path(bare, "bare"), *setup["honest"][1:3]]
 
     def shipped_gate(*overrides: str) -> GateConfig:  # conf/merge.yaml's gate
@@ -428,7 +448,7 @@ def test_no_manifest_is_rejected_by_default_or_merged_marked_unverified(setup, t
     strict = merge(cands, MergeSpec("uniform"), tmp_path / "strict", None, shipped_gate())
     assert "no checksum manifest" in strict["rejections"]["bare"]
     assert "require_manifest=false" in strict["rejections"]["bare"] and strict["unverified"] == []
-    assert report.warning_lines(strict) == []
+    assert report.warning_lines(strict) == [f"rejected bare: {strict['rejections']['bare']}"]
     lenient = merge(cands, MergeSpec("uniform"), tmp_path / "lenient", None,
                     shipped_gate("gate.require_manifest=false"))
     assert [(r["accepted"], r["integrity"]) for r in lenient["candidates"]] == [

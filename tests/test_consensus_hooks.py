@@ -12,7 +12,7 @@ import pytest
 from capibara_exp import experiment
 from capibara_exp.consensus import action as consensus_action
 from capibara_exp.consensus.callback import soup_sweep
-from capibara_exp.runtime import checkpoints, gin_utils
+from capibara_exp.runtime import checkpoints, gin_utils, integrity
 from capibara_exp.runtime.trainer import TrainState
 from tests.conftest import compose_config
 from tests.test_train import TINY
@@ -73,7 +73,7 @@ def test_action_merges_last_k_once_and_training_resumes_from_the_merge(tmp_path,
     assert [c["step"] for c in report["candidates"]] == [2, 4]
     assert all(c["accepted"] for c in report["candidates"])
     merged = run_dir / "merged" / "checkpoint_4"
-    assert checkpoints.verify_manifest(merged) == []
+    assert integrity.verify_manifest(merged) == []
     # Resume a new run from the merged checkpoint and train on to step 6.
     step, state = train(resumed, "trainer.train_steps=6", "trainer.eval_period=2",
                         "checkpoint.checkpoint_period=2",

@@ -121,8 +121,9 @@ def test_tpu_vm_dry_run_writes_the_launch_script(tmp_path, runtime):
     # v5e-64: 64 chips on 16 TPU VMs of 4 chips (as libtpu describes the slice), one command
     # on every worker, the same gin, shared dirs.
     assert "--accelerator-type=v5litepod-64" in script and "16 worker host(s)" in script
-    lines = [line for line in script.splitlines() if line.startswith("gcloud")]
+    lines = [line.strip() for line in script.splitlines() if line.strip().startswith("gcloud")]
     assert len(lines) == 3 and all("--worker=all" in line for line in lines)
+    assert "while true; do" in script and "MAX_RESTARTS=3" in script  # the job restarts
     assert "scp" in lines[1] and str(tmp_path / "run" / "config.gin") in lines[1]
     remote_gin = lines[1].split("my-slice:")[1].split()[0]
     assert remote_gin.startswith("/mnt/shared/moe_e2b_base/run/")

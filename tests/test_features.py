@@ -20,7 +20,8 @@ from capibara_exp.errors import ConfigError
 from capibara_exp.nets import Decoder, DecoderConfig
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.runtime import checkpoints, config, models, optimizers, partitioning
-from capibara_exp.runtime.train_script import TrainingDiverged, initial_state
+from capibara_exp.runtime.state import initial_state
+from capibara_exp.runtime.train_script import TrainingDiverged
 from capibara_exp.runtime.trainer import EarlyStoppingAction, Trainer
 from tests.conftest import compose_config
 from tests.test_train import leaves_equal, read_checkpoint, train

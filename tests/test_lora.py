@@ -14,7 +14,7 @@ import gin
 from capibara_exp import gin_bridge
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.runtime import checkpoints, gin_utils, lora, moe
-from capibara_exp.runtime.train_script import initial_state
+from capibara_exp.runtime.state import initial_state
 from tests.conftest import compose_config
 from tests.test_features import make_model
 from tests.test_train import TINY, leaves_equal, read_checkpoint, train

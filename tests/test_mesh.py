@@ -64,7 +64,7 @@ def _run(model, partitioner, trainer_cls, single_device: bool, **trainer_kw) -> 
     import numpy as np
     from jax.sharding import Mesh
 
-    from capibara_exp.runtime.train_script import initial_state
+    from capibara_exp.runtime.state import initial_state
 
     if single_device:  # the same partitioner class, on a mesh of one device
         shape = (1,) * len(partitioner.mesh.axis_names)
@@ -130,7 +130,7 @@ def worker() -> dict:
                          mesh=dict(p.mesh.shape))
 
     def moe_trainer_on(partitioner, experts_model=None):
-        from capibara_exp.runtime.train_script import initial_state
+        from capibara_exp.runtime.state import initial_state
 
         model = experts_model or _model(True)
         state, axes = initial_state(model, jax.random.PRNGKey(0), 8, 16)

@@ -149,3 +149,26 @@ def test_both_instruction_sets_match_the_reference(allow_avx2: bool) -> None:
                                       robust_agg_ref.weighted_sum_of(clean, weights))
     finally:
         assert robust_agg.select_simd() == robust_agg.SIMD
+
+
+@settings(max_examples=200, deadline=None)
+@given(_STACKS)
+def test_the_gates_finite_check_matches_numpy(x_NxM: np.ndarray) -> None:
+    from capibara_exp.consensus import methods
+
+    for row in x_NxM:
+        assert methods.all_finite(row) == bool(np.isfinite(row).all())
+    huge = np.full(8, 3e38, np.float32)  # finite, but its sum overflows
+    assert methods.all_finite(huge) and not methods.all_finite(np.append(huge, np.nan))
+
+
+@settings(max_examples=100, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 70000)),
+                  elements=st.floats(-1e3, 1e3, width=32)))
+def test_blocked_distances_to_the_median_match_numpy(x_NxM: np.ndarray) -> None:
+    from capibara_exp.consensus import methods
+
+    center = np.median(x_NxM, axis=0).astype(np.float32)
+    want = ((x_NxM.astype(np.float64) - center) ** 2).sum(axis=1)
+    np.testing.assert_allclose(methods.sq_distances_to(list(x_NxM), center), want, rtol=1e-5,
+                               atol=1e-6)

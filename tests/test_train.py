@@ -12,13 +12,14 @@ import pytest
 
 from capibara_exp import experiment
 from capibara_exp.errors import ConfigError
-from capibara_exp.runtime import checkpoints, gin_utils, train_script
+from capibara_exp.runtime import actions, checkpoints, gin_utils, train_script
 from capibara_exp.runtime.config import (
     DatasetConfig,
     RestoreCheckpointConfig,
     SaveCheckpointConfig,
 )
 from capibara_exp.runtime.metrics import Progress
+from capibara_exp.runtime.resume import NoVerifiedCheckpoint
 from capibara_exp.runtime.train_script import TrainingDiverged
 from capibara_exp.runtime.trainer import BaseAction
 from tests.conftest import compose_config
@@ -60,6 +61,11 @@ def test_two_step_training_writes_checkpoint_metrics_and_configs(tmp_path: Path,
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["split"] == "train_eval"]
     assert evals and np.isfinite(evals[-1]["loss"]) and 0 <= evals[-1]["accuracy"] <= 1
+    last = [r for r in records if r["split"] == "train"][-1]  # memory beside the step metrics
+    assert 1e7 < last["memory/host_rss_bytes"] <= last["memory/host_rss_peak_bytes"] \
+        < last["memory/host_limit_bytes"]
+    info = json.loads((tmp_path / "checkpoint_2" / "capibara_manifest.json").read_text())["info"]
+    assert info == {"step": 2, "kind": "final", "finite": True}
     assert (tmp_path / "config.gin").exists()
     operative = (tmp_path / "operative_config.gin").read_text()
     assert "EMB_DIM = 32" in operative and "nets.DecoderConfig.emb_dim = %EMB_DIM" in operative
@@ -94,7 +100,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path, data_
 
 
 @pytest.mark.slow
-def test_damaged_checkpoint_is_an_error_naming_it(tmp_path: Path, data_dir) -> None:
+def test_no_checkpoint_verifying_is_an_error_naming_each(tmp_path: Path, data_dir) -> None:
     common = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
     train(tmp_path, "trainer.train_steps=2", *common)
     data_files = [p for p in (tmp_path / "checkpoint_2" / "state").rglob("*")
@@ -102,8 +108,10 @@ def test_damaged_checkpoint_is_an_error_naming_it(tmp_path: Path, data_dir) -> N
     assert data_files
     for path in data_files:  # truncate the array data
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
-    with pytest.raises(checkpoints.CheckpointError, match=r"checkpoint_2/state cannot be restored"):
+    with pytest.raises(NoVerifiedCheckpoint, match=r"no checkpoint in .* verifies.*checkpoint_2: "
+                                                   r".*\(truncated or rewritten\)"):
         train(tmp_path, "trainer.train_steps=4", *common)
+    assert checkpoints.steps(tmp_path) == [2]  # nothing to fall back to: left where it was
 
 
 @pytest.mark.slow
@@ -115,11 +123,37 @@ def test_checkpoint_steps_add_saves_and_only_the_last_n_are_kept(tmp_path: Path,
     assert checkpoints.steps(tmp_path) == [3, 4, 6]
 
 
+@pytest.mark.parametrize("override, message", [
+    ("data.batch_size=1e9", r"\(from conf key data.batch_size\): utils.DatasetConfig.batch_size "
+                            r"must be an integer, got 1000000000.0"),
+    ("data.batch_size=1000000000", r"\(from conf key data.batch_size\): .*its host batches "
+                                   r"need about .* GiB .*, more than the .* GiB this host has"),
+    ("trainer.eval_steps=1000000000", r"\(from conf key trainer.eval_steps\): .*the eval "
+                                      r"batches, held in memory .*, need about"),
+    ("model.num_layers=100000", r"\(from conf key model.num_layers\): .*num_layers=100000 "
+                                r"unrolled .*set model.scan_layers=true"),
+    ("model.num_layers=100000000", r"\(from conf key model.num_layers\): .*num_layers=100000000"
+                                   r" .*need at least .* GiB per device, more than the"),
+    ("data.batch_size=1024", r"\(from conf key data.batch_size\): .*batch_size=1024: the train "
+                             r"step needs .* GiB per device \(XLA's memory analysis of the "
+                             r"compiled step\), more than the .* GiB available"),
+])
+def test_sizes_that_cannot_fit_fail_before_anything_is_allocated(tmp_path, override,
+                                                                 message) -> None:
+    # 1024 x 2048 tokens: small host batches, small parameters, but attention scores of
+    # 1024 x 2 x 2048^2 floats per layer: only the compiled step's analysis sees them.
+    extra = ["data.task_feature_lengths={targets: 2048}"] if "1024" in override else []
+    with pytest.raises(ConfigError, match=message) as err:
+        train(tmp_path, "trainer.train_steps=2", override, *extra)
+    assert "\n" not in str(err.value) and not checkpoints.steps(tmp_path)
+
+
 def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir) -> None:
     step, _ = train(tmp_path, "trainer.train_steps=1", "trainer.eval_period=1",
                     "checkpoint.checkpoint_period=1")
     assert step == 1 and checkpoints.steps(tmp_path) == [1]
-    splits = [json.loads(line)["split"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    splits = [json.loads(line)["split"]
+              for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "train_eval" in splits
 
 
@@ -232,8 +266,8 @@ def test_t5x_defaults_and_implemented_values_are_accepted() -> None:
     data = DatasetConfig("task", {"targets": 8}, "train", 2, True, None, use_memory_cache=True)
     assert data.use_memory_cache
     action = Record()
-    assert train_script._check_actions(None, concurrent_metrics=True) == {}
-    assert train_script._check_actions({"TRAIN": [action], "INFER_EVAL": []},
+    assert actions.check_actions(None, concurrent_metrics=True) == {}
+    assert actions.check_actions({"TRAIN": [action], "INFER_EVAL": []},
                                        concurrent_metrics=False)["TRAIN"] == [action]
 
 

@@ -11,7 +11,7 @@ import seqio
 
 from capibara_exp.nets import Decoder, DecoderConfig
 from capibara_exp.runtime import config, models, optimizers, partitioning
-from capibara_exp.runtime.train_script import initial_state
+from capibara_exp.runtime.state import initial_state
 from capibara_exp.runtime.trainer import Trainer
 
 BATCH, LENGTH = 4, 16

@@ -16,17 +16,22 @@ PROG = "capibara-exp-merge"
 
 @hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
 def _app(cfg: DictConfig) -> None:
-    from capibara_exp.consensus import command, report
+    from capibara_exp.consensus import command
     from capibara_exp.consensus.gate import ConsensusError
 
     with user_errors(PROG, ConsensusError, ValueError, FileNotFoundError):
         rep = command.run_merge(cfg)
-    for line in ([] if "rounds" in rep else report.warning_lines(rep)):
+    for line in command.console_lines(rep):
         print(f"{PROG}: {line}", file=sys.stderr)
-    print(f"{PROG}: {command.summary(rep)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from omegaconf import OmegaConf
+
+    from capibara_exp.consensus import registry
+
+    if not OmegaConf.has_resolver("capibara_merge_methods"):  # the help lists the registry
+        OmegaConf.register_new_resolver("capibara_merge_methods", registry.help_text)
     _, _, hydra_argv = checked_argv(PROG, "merge", sys.argv[1:] if argv is None else argv)
     sys.argv = [sys.argv[0], *hydra_argv]
     _app()

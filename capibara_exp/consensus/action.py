@@ -18,7 +18,7 @@ for both engines (gin/consensus/).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +35,17 @@ def write_missing_manifests(model_dir: str | Path) -> list[Path]:
     manager keeps only so many) is skipped."""
     import jax
 
-    from capibara_exp.runtime import checkpoints
+    from capibara_exp.runtime import checkpoints, integrity
 
     if jax.process_index() != 0:
         return []
     written = []
     for step in checkpoints.steps(model_dir):
         step_dir = Path(model_dir) / f"{checkpoints.STEP_PREFIX}_{step}"
-        if (step_dir / checkpoints.MANIFEST).is_file():
+        if (step_dir / integrity.MANIFEST).is_file():
             continue
         try:
-            written.append(checkpoints.write_manifest(step_dir))
+            written.append(integrity.write_manifest(step_dir, step=step, kind="action"))
         except FileNotFoundError:
             if step_dir.exists():
                 raise
@@ -73,20 +73,23 @@ class ConsensusMerge(ChecksumCheckpoints):
 
     def __init__(self, model_dir: str, total_steps: int, method: str = "uniform", last_k: int = 3,
                  model: Any = None, eval_dataset_cfg: Any = None, eval_steps: int = 1,
-                 report_steps: int | None = None, num_byzantine: int = 0,
-                 weights: Sequence[float] | None = None, min_pass_fraction: float = 0.5,
-                 max_val_loss: float | None = None, max_val_loss_ratio: float | None = 1.5,
-                 require_manifest: bool = True):
+                 report_steps: int | None = None, merge_params: Mapping[str, Any] | None = None,
+                 min_pass_fraction: float = 0.5, max_val_loss: float | None = None,
+                 max_val_loss_ratio: float | None = 1.5, require_manifest: bool = True):
+        """`merge_params`: the method's parameters by name (consensus/registry.py's MergeSpec,
+        e.g. {'num_byzantine': 1}); an unknown name or a bad value is an error here, before
+        training starts."""
         from capibara_exp.consensus.gate import GateConfig
-        from capibara_exp.consensus.merge import MergeSpec
+        from capibara_exp.consensus.registry import spec_from
 
         super().__init__(model_dir)
-        if last_k < 1:
-            raise ValueError(f"consensus.ConsensusMerge.last_k must be >= 1, got {last_k}")
+        if isinstance(last_k, bool) or not isinstance(last_k, int) or last_k < 1:
+            raise ValueError(f"consensus.ConsensusMerge.last_k must be an integer >= 1, got "
+                             f"{last_k!r}")
         self.total_steps = total_steps
         self.last_k = last_k
-        self.spec = MergeSpec(method=method, num_byzantine=num_byzantine,
-                              weights=tuple(weights) if weights else None)
+        self.spec = spec_from(method, dict(merge_params or {}))
+        self.spec.check_candidates(last_k, "checkpoints (last_k)")
         self.gate = GateConfig(require_manifest=require_manifest, max_val_loss=max_val_loss,
                                max_val_loss_ratio=max_val_loss_ratio,
                                min_pass_fraction=min_pass_fraction)

@@ -10,8 +10,6 @@ from omegaconf import DictConfig, OmegaConf
 from capibara_exp.errors import ConfigError
 
 FEDAVG = "fedavg"
-_SPEC_KEYS = ("method", "num_byzantine", "num_selected", "scale", "density", "learn_steps",
-              "learn_rate", "per_layer")
 
 
 def _config_gin(cfg: DictConfig, first_run: str | Path) -> Path:
@@ -35,28 +33,49 @@ def _evaluators(cfg: DictConfig, first_run: Path, needs: list[str]) -> tuple:
     return evaluate.from_parts(run.load_parts(config_gin), cfg.eval_batches, cfg.report_batches)
 
 
+def _runs(cfg: DictConfig) -> list[str]:
+    runs = [cfg.runs] if isinstance(cfg.runs, str) else list(cfg.runs)
+    if not runs:
+        raise ValueError("runs=[]: name at least one model dir or checkpoint_<step> dir to merge")
+    return [str(r) for r in runs]
+
+
+def _spec(cfg: DictConfig):
+    """The MergeSpec of conf/merge.yaml: the method and every parameter the registry has."""
+    from capibara_exp.consensus.registry import param_names, spec_from
+
+    params = {k: cfg[k] for k in param_names()}
+    if params.get("weights") is not None:
+        params["weights"] = OmegaConf.to_container(cfg.weights)
+    return spec_from(cfg.method, params)
+
+
 def run_merge(cfg: DictConfig) -> dict:
     """Merge the configured checkpoints into cfg.out (or run FedAvg); returns the report."""
     from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
-    from capibara_exp.consensus.merge import METHODS, MergeSpec, evaluation_needs, merge
+    from capibara_exp.consensus.merge import evaluation_needs, merge
+    from capibara_exp.consensus.registry import METHODS
 
     if cfg.method not in (*METHODS, FEDAVG):
         raise ValueError(f"method: unknown merge method {cfg.method!r} (choose from "
                          f"{', '.join(METHODS)}, or {FEDAVG})")
-    runs = [cfg.runs] if isinstance(cfg.runs, str) else list(cfg.runs)
+    runs = _runs(cfg)
     if cfg.method == FEDAVG:
         return run_fedavg(cfg, runs)
-    if cfg.last_k:
+    spec = _spec(cfg)
+    gate = GateConfig(**OmegaConf.to_container(cfg.gate))
+    if cfg.last_k is not None:
+        if isinstance(cfg.last_k, bool) or not isinstance(cfg.last_k, int) or cfg.last_k < 1:
+            raise ValueError(f"last_k must be an integer >= 1 (or null), got {cfg.last_k!r}")
         if len(runs) != 1:
             raise ValueError(f"last_k={cfg.last_k} merges one run's checkpoints; "
                              f"runs has {len(runs)}")
         candidates = store.last_k(runs[0], int(cfg.last_k))
+        if not candidates:
+            raise FileNotFoundError(f"{runs[0]}: no finished checkpoint to merge (last_k)")
     else:
         candidates = [store.candidate_from_path(r) for r in runs]
-    spec = MergeSpec(weights=OmegaConf.to_container(cfg.weights) if cfg.weights else None,
-                     **{k: cfg[k] for k in _SPEC_KEYS})
-    gate = GateConfig(**OmegaConf.to_container(cfg.gate))
     evaluator, report_evaluator = _evaluators(cfg, candidates[0].step_dir,
                                               evaluation_needs(spec, gate))
     base = store.candidate_from_path(cfg.base) if cfg.base else None
@@ -71,12 +90,20 @@ def run_fedavg(cfg: DictConfig, runs: list[str]) -> dict:
     if len(runs) != 1:
         raise ValueError(f"method=fedavg trains the model and task of one run; runs has "
                          f"{len(runs)}")
+    fed = federated.FedConfig(**OmegaConf.to_container(cfg.fedavg))
     parts = run.load_parts(_config_gin(cfg, runs[0]))
     evaluator = None  # eval_batches=0: no validation loss per round
     if cfg.eval_batches != 0:
         evaluator, _ = evaluate.from_parts(parts, cfg.eval_batches, report_batches=0)
-    fed = federated.FedConfig(**OmegaConf.to_container(cfg.fedavg))
     return federated.fedavg(parts, fed, evaluator, Path(cfg.out))[1]
+
+
+def console_lines(rep: dict) -> list[str]:
+    """What the console script prints after a merge: every rejected candidate, the
+    warnings, and the summary."""
+    from capibara_exp.consensus import report
+
+    return [*([] if "rounds" in rep else report.warning_lines(rep)), summary(rep)]
 
 
 def summary(rep: dict) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,28 @@ class FedConfig:
     target_delta: float = 1e-5
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        def whole(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def real(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        for name in ("num_clients", "rounds", "local_steps"):
+            if not (whole(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ValueError(f"fedavg.{name} must be an integer >= 1, got "
+                                 f"{getattr(self, name)!r}")
+        if self.clip_norm is not None and not (real(self.clip_norm) and self.clip_norm > 0):
+            raise ValueError(f"fedavg.clip_norm must be a finite number > 0 or null, got "
+                             f"{self.clip_norm!r}")
+        if not (real(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(f"fedavg.noise_multiplier must be a finite number >= 0, got "
+                             f"{self.noise_multiplier!r}")
+        if not (real(self.target_delta) and 0 < self.target_delta < 1):
+            raise ValueError(f"fedavg.target_delta must be in (0, 1), got {self.target_delta!r}")
+        if not whole(self.seed):
+            raise ValueError(f"fedavg.seed must be an integer, got {self.seed!r}")
+
 
 def client_batches(parts: RunParts, client: int, num_clients: int) -> Iterator[dict]:
     """Batches of one client's shard of the training task (a seqio shard, repeated)."""
@@ -59,16 +82,15 @@ def client_batches(parts: RunParts, client: int, num_clients: int) -> Iterator[d
 
 def build_trainer(parts: RunParts, seed: int) -> tuple[Any, TrainState]:
     """The run's trainer (compiled once) and its initial state."""
-    from capibara_exp.runtime.train_script import initial_state
+    from capibara_exp.runtime.state import initial_state, make_trainer
 
     cfg = parts.train_dataset_cfg
     length = max(cfg.task_feature_lengths.values())
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     state, axes = initial_state(parts.model, init_rng, cfg.batch_size, length)
-    trainer = parts.trainer_cls(model=parts.model, train_state=state, partitioner=parts.partitioner,
-                                eval_names=[], summary_dir=None, train_state_axes=axes,
-                                rng=dropout_rng)
-    return trainer, jax.device_put(state, trainer.state_shardings)
+    trainer = make_trainer(parts.trainer_cls, parts.model, parts.partitioner, state, axes,
+                           dropout_rng, cfg.batch_size, None, **parts.trainer_features)
+    return trainer, trainer.prepare_state(state)
 
 
 def local_steps(trainer: Any, state: TrainState, batches: Iterator[dict], steps: int) -> TrainState:
@@ -181,14 +203,20 @@ def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None,
     report = {"rounds": history, "epsilon": eps,
               "delta": cfg.target_delta if eps is not None else None,
               "config": dataclasses.asdict(cfg)}
+    from capibara_exp.runtime import checkpoints
+
+    if not checkpoints.all_finite(global_state.state_dict()):
+        where = ", ".join(checkpoints.nonfinite_paths(global_state.state_dict()))
+        raise ValueError(f"fedavg: the global state holds NaN/Inf after {cfg.rounds} rounds (in "
+                         f"{where}); nothing written: lower the run's learning rate or set "
+                         "fedavg.clip_norm")
     if out_dir is not None:
-        from capibara_exp.runtime import checkpoints
 
         out_dir = Path(out_dir).absolute()
         mgr = checkpoints.manager(out_dir)
         try:
             step = int(jax.device_get(global_state.step))
-            checkpoints.save(mgr, step, global_state.state_dict())
+            checkpoints.save(mgr, step, global_state.state_dict(), kind="fedavg")
         finally:
             mgr.close()
         report["checkpoint"] = str(out_dir / f"{checkpoints.STEP_PREFIX}_{step}")

@@ -1,24 +1,37 @@
-"""The quality gate: which candidates may enter a merge, and whether enough of them did."""
+"""The quality gate: which candidates may enter a merge, and whether enough of them did.
+
+The cheap checks run first (a manifest present, metadata readable, the same tree as the
+others); the manifests' digests are checked in threads while the merge streams; NaN/Inf
+and the distance to the coordinate-wise median are measured on the leaves the merge's own
+streaming read brings in (`Observer`), so a clean merge reads every candidate once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import jax
 import numpy as np
 
 from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
-from capibara_exp.runtime import checkpoints
+from capibara_exp.runtime import integrity
 
 TARGET: LeafPath = ("target",)
 
 
 class ConsensusError(RuntimeError):
     """Too few candidates passed the gate for the merge to go ahead."""
+
+
+def _ratio(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                  and value > 0):
+        raise ValueError(f"gate.{name} must be a finite number > 0 or null, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +46,18 @@ class GateConfig:
     # median such distance (a sign-flipped near-init model can score a normal loss).
     max_distance_ratio: float | None = 4.0
     min_pass_fraction: float = 0.5      # consensus: this share of candidates must pass
+
+    def __post_init__(self) -> None:
+        if self.max_val_loss is not None and not (
+                isinstance(self.max_val_loss, (int, float)) and math.isfinite(self.max_val_loss)):
+            raise ValueError(f"gate.max_val_loss must be a finite number or null, got "
+                             f"{self.max_val_loss!r}")
+        _ratio("max_val_loss_ratio", self.max_val_loss_ratio)
+        _ratio("max_distance_ratio", self.max_distance_ratio)
+        if not (isinstance(self.min_pass_fraction, (int, float))
+                and 0.0 <= self.min_pass_fraction <= 1.0):
+            raise ValueError(f"gate.min_pass_fraction must be in [0, 1], got "
+                             f"{self.min_pass_fraction!r}")
 
     def loss_checks(self) -> list[str]:
         """The settings that need validation batches (key=value), [] if none does."""
@@ -51,15 +76,12 @@ class GateResult:
     index: dict[LeafPath, LeafInfo]
     integrity: dict[str, str]           # VERIFIED (manifest matched) or UNVERIFIED (no manifest)
     held_out_loss: dict[str, float]     # on the report batches, never used to choose
+    gram: np.ndarray | None = None      # the accepted candidates' Gram matrix (Krum, ...)
+    pending: dict[str, Future] = dataclasses.field(default_factory=dict)  # digests in flight
 
-
-def _integrity(c: Candidate, require_manifest: bool) -> tuple[str, str | None]:
-    """(VERIFIED or UNVERIFIED, the reason to reject or None)."""
-    problems = checkpoints.verify_manifest(c.step_dir)
-    if problems is None:
-        return UNVERIFIED, ("no checksum manifest, integrity unverified (require_manifest=false "
-                            "merges it, marked unverified)" if require_manifest else None)
-    return VERIFIED, ("integrity: " + "; ".join(problems[:3]) if problems else None)
+    def reject(self, candidate: Candidate, why: str) -> None:
+        self.rejected.setdefault(candidate.name, why)
+        self.accepted = [c for c in self.accepted if c.name != candidate.name]
 
 
 def _signature(index: dict[LeafPath, LeafInfo]) -> tuple:
@@ -79,78 +101,82 @@ def _structure_diff(index: dict, reference: dict) -> str:
     return "structure differs"
 
 
-def _non_finite(reader: LeafReader, c: Candidate, index: dict, params: dict) -> str | None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not bool(np.isfinite(np.asarray(leaf)).all()):
-            return "non-finite values in target." + ".".join(str(k.key) for k in path)
-    for path, info in index.items():
-        if path[:1] != TARGET and np.issubdtype(info.dtype, np.floating):
-            if not bool(np.isfinite(np.asarray(reader.read(c, path, info))).all()):
-                return "non-finite values in " + ".".join(path)
-    return None
+def _manifest_state(c: Candidate, require_manifest: bool) -> tuple[str, str | None]:
+    """(VERIFIED or UNVERIFIED, why it is rejected already or None); digests come later."""
+    try:
+        manifest = integrity.read_manifest(c.step_dir)
+    except ValueError as err:
+        return VERIFIED, f"integrity: {err}"
+    if manifest is None:
+        return UNVERIFIED, ("no checksum manifest, integrity unverified (require_manifest=false "
+                            "merges it, marked unverified)" if require_manifest else None)
+    return VERIFIED, None
 
 
-def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any,
-             cfg: GateConfig, report_evaluator: Any = None) -> GateResult:
-    """Check integrity, structure, finiteness and validation loss; enforce the consensus.
-
-    `evaluator` scores the candidates on the selection batches (the loss checks use it);
-    `report_evaluator`, when given, scores them on held-out batches for the report only.
-    """
-    if cfg.loss_checks() and evaluator is None:
-        raise ValueError(f"gate {', '.join(cfg.loss_checks())} needs validation batches "
-                         "(an evaluator); set it to null to gate without them")
-    rejected: dict[str, str] = {}
+def precheck(candidates: list[Candidate], cfg: GateConfig, pool: ThreadPoolExecutor
+             ) -> GateResult:
+    """Manifests present, metadata readable, one tree for all; the manifests' digests are
+    checked in `pool`'s threads (join them with `settle_digests`)."""
+    gate = GateResult(list(candidates), {}, {}, {}, {}, {})
     indexes: dict[str, dict] = {}
-    integrity: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=min(len(candidates), os.cpu_count() or 1) or 1) as pool:
-        checked = list(pool.map(lambda c: _integrity(c, cfg.require_manifest), candidates))
-    for c, (integrity[c.name], reason) in zip(candidates, checked, strict=True):
+    for c in candidates:
+        gate.integrity[c.name], reason = _manifest_state(c, cfg.require_manifest)
         if reason is None:
             try:
                 indexes[c.name] = leaf_index(c)
             except Exception as err:  # orbax raises many types for unreadable metadata
                 reason = f"unreadable metadata ({type(err).__name__}: {err})"
         if reason:
-            rejected[c.name] = reason
+            gate.reject(c, reason)
+        elif gate.integrity[c.name] == VERIFIED:
+            gate.pending[c.name] = pool.submit(integrity.verify_checkpoint, c.step_dir)
     if not indexes:
-        _fail(candidates, rejected, cfg)
+        fail(candidates, gate.rejected, cfg)
     common, _ = Counter(_signature(i) for i in indexes.values()).most_common(1)[0]
-    reference = next(i for i in indexes.values() if _signature(i) == common)
-    val_loss: dict[str, float] = {}
-    held_out: dict[str, float] = {}
-    for c in candidates:
-        if c.name in rejected:
-            continue
+    gate.index = next(i for i in indexes.values() if _signature(i) == common)
+    for c in list(gate.accepted):
         if _signature(indexes[c.name]) != common:
-            rejected[c.name] = _structure_diff(indexes[c.name], reference)
-            continue
-        if not (cfg.check_finite or evaluator or report_evaluator):
-            continue  # nothing to look at: no read-through (a damaged store fails the merge)
+            gate.reject(c, _structure_diff(indexes[c.name], gate.index))
+    return gate
+
+
+def settle_digests(gate: GateResult) -> bool:
+    """Join the digest checks; True if one rejected a candidate."""
+    by_name = {c.name: c for c in gate.accepted}
+    rejected = False
+    for name, future in gate.pending.items():
+        problems = future.result()
+        if problems and name in by_name:
+            gate.reject(by_name[name], "integrity: " + "; ".join(problems[:3]))
+            rejected = True
+    gate.pending.clear()
+    return rejected
+
+
+def digest_pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1)))
+
+
+def score(gate: GateResult, reader: LeafReader, evaluator: Any, report_evaluator: Any,
+          cfg: GateConfig) -> None:
+    """Validation losses of the accepted candidates (a read of their parameters each), and the
+    loss thresholds."""
+    if evaluator is None and report_evaluator is None:
+        return
+    for c in list(gate.accepted):
         try:
-            params = reader.read_subtree(c, reference, TARGET)
-            reason = _non_finite(reader, c, reference, params) if cfg.check_finite else None
+            params = reader.read_subtree(c, gate.index, TARGET)
         except Exception as err:  # a truncated or corrupt store fails in TensorStore
-            reason = f"unreadable ({type(err).__name__}: {str(err)[:200]})"
-            params = None
-        if params is not None and evaluator is not None:
-            val_loss[c.name] = evaluator.loss(params)
-        if params is not None and report_evaluator is not None:
-            held_out[c.name] = report_evaluator.loss(params)
-        if reason:
-            rejected[c.name] = reason
-    _loss_thresholds(val_loss, rejected, cfg)
-    if cfg.max_distance_ratio is not None:
-        _distance_outliers([c for c in candidates if c.name not in rejected], reader, reference,
-                           rejected, cfg.max_distance_ratio)
-    accepted = [c for c in candidates if c.name not in rejected]
-    if len(accepted) < cfg.min_pass_fraction * len(candidates) or not accepted:
-        _fail(candidates, rejected, cfg)
-    return GateResult(accepted, rejected, val_loss, reference, integrity, held_out)
-
-
-def _loss_thresholds(val_loss: dict[str, float], rejected: dict[str, str], cfg: GateConfig) -> None:
-    live = {n: v for n, v in val_loss.items() if n not in rejected}
+            gate.reject(c, f"unreadable ({type(err).__name__}: {str(err)[:200]})")
+            continue
+        bad = nonfinite_leaf(params) if cfg.check_finite else None
+        if bad:  # said before its loss is: NaN makes an inf loss
+            gate.reject(c, f"non-finite values in target.{bad}")
+        if evaluator is not None:
+            gate.val_loss[c.name] = evaluator.loss(params)
+        if report_evaluator is not None:
+            gate.held_out_loss[c.name] = report_evaluator.loss(params)
+    live = {n: v for n, v in gate.val_loss.items() if n not in gate.rejected}
     if not live:
         return
     ceiling = float("inf")
@@ -158,39 +184,132 @@ def _loss_thresholds(val_loss: dict[str, float], rejected: dict[str, str], cfg: 
         ceiling = cfg.max_val_loss
     if cfg.max_val_loss_ratio is not None:
         ceiling = min(ceiling, cfg.max_val_loss_ratio * float(np.median(list(live.values()))))
-    for name, loss in live.items():
-        if not loss <= ceiling:
-            rejected[name] = f"validation loss {loss:.4g} above the gate's ceiling {ceiling:.4g}"
+    for c in list(gate.accepted):
+        loss = gate.val_loss.get(c.name)
+        if loss is not None and not loss <= ceiling:
+            gate.reject(c, f"validation loss {loss:.4g} above the gate's ceiling {ceiling:.4g}")
 
 
-def _distance_outliers(live: list[Candidate], reader: LeafReader, index: dict,
-                       rejected: dict[str, str], ratio: float) -> None:
-    """Reject candidates far from the coordinate-wise median (one streaming pass)."""
-    from capibara_exp.consensus import methods
+def nonfinite_leaf(params: dict) -> str | None:
+    """The dotted path of the first parameter holding NaN/Inf, or None."""
+    import jax
 
-    if len(live) < 3:
-        return
-    dist_sq = np.zeros(len(live))
-    for path, info in index.items():
-        if path[:1] != TARGET:
-            continue
-        leaves = reader.read_many(live, path, info)
-        med = np.asarray(methods.median(leaves), np.float32)
-        for i, x in enumerate(leaves):
-            d = np.subtract(np.asarray(x), med, dtype=np.float32)
-            dist_sq[i] += float(np.square(d, out=d).sum(dtype=np.float64))  # pairwise sum
-    dist = np.sqrt(dist_sq)
-    typical = float(np.median(dist))
-    for c, d in zip(live, dist, strict=True):
-        if typical > 0 and not d <= ratio * typical:
-            rejected[c.name] = (f"parameters {d:.4g} from the coordinate-wise median, over "
-                                f"{ratio} x the median distance {typical:.4g}")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if np.issubdtype(np.asarray(leaf).dtype, np.floating) and not np.isfinite(
+                np.asarray(leaf)).all():
+            return ".".join(str(k.key) for k in path)
+    return None
 
 
-def _fail(candidates: list[Candidate], rejected: dict[str, str], cfg: GateConfig) -> None:
+class Observer:
+    """The gate's look at the leaves a streaming pass reads: NaN/Inf per candidate (every
+    float leaf) and squared distances to the coordinate-wise median (parameters)."""
+
+    def __init__(self, pool: list[Candidate], cfg: GateConfig):
+        from capibara_exp.consensus import methods
+
+        self._median, self._finite = methods.median, methods.all_finite
+        self._sq_distances = methods.sq_distances_to
+        self.pool = pool
+        self.check_finite = cfg.check_finite
+        self.ratio = cfg.max_distance_ratio if len(pool) >= 3 else None
+        self.dist_sq = np.zeros(len(pool))
+        self.bad: dict[int, str] = {}
+
+    def observe(self, path: LeafPath, leaves: list) -> None:
+        if self.bad:  # this pass is lost: only look for more bad candidates
+            leaves = [x for x in leaves if x is not None]
+        floating = bool(leaves) and np.issubdtype(np.asarray(leaves[0]).dtype, np.floating)
+        if self.check_finite and floating:
+            for i, x in enumerate(leaves):
+                if i not in self.bad and not self._finite(x):
+                    self.bad[i] = "non-finite values in " + ".".join(path)
+        if self.ratio is not None and floating and path[:1] == TARGET and not self.bad:
+            self.dist_sq += self._sq_distances(leaves, self._median(leaves))
+
+    def unreadable(self, i: int, err: BaseException) -> None:
+        self.bad.setdefault(i, f"unreadable ({type(err).__name__}: {str(err)[:200]})")
+
+    def outliers(self) -> dict[int, str]:
+        """Candidates far from the coordinate-wise median (after a pass with no bad ones)."""
+        if self.ratio is None:
+            return {}
+        dist = np.sqrt(self.dist_sq)
+        typical = float(np.median(dist))
+        return {i: (f"parameters {d:.4g} from the coordinate-wise median, over {self.ratio} x "
+                    f"the median distance {typical:.4g}")
+                for i, d in enumerate(dist) if typical > 0 and not d <= self.ratio * typical}
+
+
+def until_sound(candidates: list[Candidate], gate: GateResult, cfg: GateConfig,
+                run_pass: Callable[[Observer], Any]) -> Any:
+    """Run streaming passes (`run_pass(observer)`, which reads every leaf of the accepted
+    candidates once) until one rejects nobody; returns that pass's result. Digest checks
+    are joined after the first; distances to the median are measured among the candidates
+    that are sound, once."""
+    gate_cfg = cfg
+    while True:
+        enforce(candidates, gate, cfg)
+        observer = Observer(gate.accepted, gate_cfg)
+        result = run_pass(observer)
+        pool = list(gate.accepted)
+        digests_failed = settle_digests(gate)
+        for i, why in observer.bad.items():
+            gate.reject(pool[i], why)
+        if digests_failed or observer.bad:
+            continue  # distances are measured again, among the sound candidates
+        outliers = observer.outliers()
+        for i, why in outliers.items():
+            gate.reject(pool[i], why)
+        gate_cfg = dataclasses.replace(cfg, max_distance_ratio=None)
+        if not outliers:
+            enforce(candidates, gate, cfg)
+            return result
+
+
+def run_gate(candidates: list[Candidate], reader: LeafReader, evaluator: Any, cfg: GateConfig,
+             report_evaluator: Any = None) -> GateResult:
+    """The gate on its own (merge() runs the same checks on its own read)."""
+    def observe_only(observer: Observer) -> None:
+        for path, info in gate.index.items():
+            observer.observe(path, read_leaf(reader, gate.accepted, path, info, observer))
+
+    with digest_pool(len(candidates)) as pool:
+        gate = precheck(candidates, cfg, pool)
+        score(gate, reader, evaluator, report_evaluator, cfg)
+        until_sound(candidates, gate, cfg, observe_only)
+    return gate
+
+
+def read_leaf(reader: LeafReader, pool: list[Candidate], path: LeafPath, info: LeafInfo,
+              observer: Observer | None) -> list:
+    """One leaf of every candidate of the pool; an unreadable one is None (and bad)."""
+    try:
+        return reader.read_many(pool, path, info)
+    except Exception:  # find which: TensorStore raises many types for a damaged store
+        if observer is None:
+            raise
+    leaves = []
+    for i, c in enumerate(pool):
+        try:
+            leaves.append(reader.read(c, path, info))
+        except Exception as err:
+            observer.unreadable(i, err)
+            leaves.append(None)
+    return leaves
+
+
+def enforce(candidates: list[Candidate], gate: GateResult, cfg: GateConfig) -> None:
+    """ConsensusError unless enough candidates passed."""
+    accepted = len(gate.accepted)
+    if accepted < cfg.min_pass_fraction * len(candidates) or not accepted:
+        fail(candidates, gate.rejected, cfg)
+
+
+def fail(candidates: list[Candidate], rejected: dict[str, str], cfg: GateConfig) -> None:
     passed = len(candidates) - len(rejected)
-    lines = "\n".join(f"  {name}: {why}" for name, why in rejected.items())
+    lines = "; ".join(f"{name}: {why}" for name, why in rejected.items())
     raise ConsensusError(
         f"consensus not reached: {passed} of {len(candidates)} candidates passed the gate, "
         f"min_pass_fraction={cfg.min_pass_fraction} needs "
-        f"{int(np.ceil(cfg.min_pass_fraction * len(candidates)))}; rejected:\n{lines}")
+        f"{max(1, int(np.ceil(cfg.min_pass_fraction * len(candidates))))}; rejected: {lines}")

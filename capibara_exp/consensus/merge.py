@@ -1,12 +1,15 @@
-"""The merge: gate the candidates, solve the method, stream every leaf, write and report.
+"""The merge: gate the candidates, solve the method, stream every leaf, check, write, report.
 
 `merge()` is the one entry point the action, the Hydra callback, the console script and
-the federated rounds share.
+the federated rounds share. The gate's checks ride on the merge's own streaming read: one
+pass reads each leaf of every candidate once, checks it (NaN/Inf, distance to the median),
+and for methods whose weights are known up front merges it in the same pass; only a
+rejected candidate costs another pass. The merged state is checked like an input (the
+candidates' tree, every value finite) before it is written.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -15,129 +18,34 @@ from typing import Any
 
 import numpy as np
 
-from capibara_exp.consensus import methods, report, soups
-from capibara_exp.consensus.gate import GateConfig, GateResult, run_gate
+from capibara_exp.consensus import gate as gating
+from capibara_exp.consensus import methods, report
+from capibara_exp.consensus.gate import ConsensusError, GateConfig, GateResult, Observer
+from capibara_exp.consensus.registry import METHODS, MergeSpec, Solve
 from capibara_exp.consensus.store import Candidate, LeafReader, leaf_index, unflatten, write
 
-METHODS = ("uniform", "weighted", "greedy_soup", "learned", "median", "trimmed_mean", "krum",
-           "multi_krum", "geometric_median", "task_arithmetic", "ties")
 REPORT = "merge_report.json"
 PLOT = "merge_metrics.png"
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeSpec:
-    """A merge method and its parameters (conf/consensus and conf/merge.yaml keys)."""
-
-    method: str = "uniform"
-    weights: Sequence[float] | None = None  # weighted: one per candidate (normalised)
-    num_byzantine: int = 0                  # f: Krum's and the trimmed mean's tolerance
-    num_selected: int | None = None         # multi-Krum: candidates averaged (default n - f)
-    scale: float = 1.0                      # task arithmetic / TIES: lambda
-    density: float = 0.2                    # TIES: share of each task vector kept
-    learn_steps: int = 10                   # learned: optimiser steps
-    learn_rate: float = 0.05                # learned: Adam learning rate on the logits
-    per_layer: bool = True                  # learned: one weight per candidate and layer
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method: unknown merge method {self.method!r} (choose from "
-                             f"{', '.join(METHODS)})")
-        if self.num_byzantine < 0:
-            raise ValueError(f"num_byzantine must be >= 0, got {self.num_byzantine}")
-        if self.method == "ties" and not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density: ties keeps a share in (0, 1], got {self.density}")
-
-
-NEEDS_VALIDATION = ("greedy_soup", "learned")
+TARGET = ("target",)
 
 
 def evaluation_needs(spec: MergeSpec, gate: GateConfig) -> list[str]:
     """The settings (key=value) that need validation batches; [] when none does."""
-    return ([f"method={spec.method}"] if spec.method in NEEDS_VALIDATION else []) + [
+    return ([f"method={spec.method}"] if METHODS[spec.method].needs_validation else []) + [
         f"gate.{check}" for check in gate.loss_checks()]
 
 
-def _gram(candidates, reader, index) -> np.ndarray:
-    gram = np.zeros((len(candidates), len(candidates)))
-    for p in index:
-        if p[:1] == ("target",):
-            methods.gram_update(gram, [reader.read(c, p, index[p]) for c in candidates])
-    return gram
-
-
-def _task_vectors(gate: GateResult, base_reader: tuple):
-    """A callable yielding, leaf by leaf, the accepted candidates' float task vectors."""
-    reader, base, base_index = base_reader
-
-    def leaves():
-        for p, info in gate.index.items():
-            if p[:1] == ("target",) and np.issubdtype(info.dtype, np.floating):
-                b = np.asarray(reader.read(base, p, base_index[p]), np.float32)
-                yield [np.asarray(reader.read(c, p, info), np.float32) - b for c in gate.accepted]
-    return leaves
-
-
-def solve(spec: MergeSpec, gate: GateResult, reader: LeafReader, evaluator: Any,
-          names: Sequence[str], base_reader: tuple | None = None) -> dict:
-    """Weights over the accepted candidates (per layer too for `learned`) and solver details;
-    for the per-leaf methods {}, or TIES's per-candidate trim thresholds. `names`: every
-    candidate, in the order weights are given."""
-    cands, n = gate.accepted, len(gate.accepted)
-    m = spec.method
-    if m == "ties":  # two streaming passes over the task vectors, before the merge pass
-        return {"ties_thresholds": methods.ties_thresholds(_task_vectors(gate, base_reader),
-                                                           spec.density)}
-    if m == "uniform":
-        return {"weights": methods.uniform_weights(n)}
-    if m == "weighted":
-        if spec.weights is None or len(spec.weights) != len(names):
-            raise ValueError(f"weights: method=weighted needs one weight per candidate "
-                             f"({len(names)}), got {spec.weights!r}")
-        by_name = dict(zip(names, spec.weights, strict=True))
-        w = np.array([by_name[c.name] for c in cands], np.float64)
-        if not (np.all(w >= 0) and w.sum() > 0):
-            raise ValueError(f"weights: must be >= 0 with a positive sum over the accepted "
-                             f"candidates, got {spec.weights!r}")
-        return {"weights": w / w.sum()}  # renormalised over the candidates that passed
-    if m == "greedy_soup":
-        w, log = soups.greedy_soup(cands, gate.val_loss, reader, gate.index, evaluator)
-        return {"weights": w, "greedy_log": log}
-    if m == "learned":
-        w, group_of, hist = soups.learned_weights(cands, reader, gate.index, evaluator,
-                                                  spec.learn_steps, spec.learn_rate, spec.per_layer)
-        return {"weights": w.mean(axis=1), "layer_weights": w, "group_of": group_of,
-                "learn_history": hist}
-    if m in ("krum", "multi_krum"):
-        selected = 1 if m == "krum" else (spec.num_selected or n - spec.num_byzantine)
-        return {"weights": methods.krum_weights(_gram(cands, reader, gate.index),
-                                                spec.num_byzantine, selected)}
-    if m == "geometric_median":
-        return {"weights": methods.geometric_median_weights(_gram(cands, reader, gate.index))}
-    return {}
-
-
-def _leaf_fn(spec: MergeSpec, solved: dict, base_reader: tuple | None):
-    """fn(path, leaves) -> merged leaf; the leaves are fresh reads it may overwrite."""
-    m = spec.method
-    if m == "median":
-        return lambda path, leaves: methods.median(leaves, overwrite_input=True)
-    if m == "trimmed_mean":
-        return lambda path, leaves: methods.trimmed_mean(leaves, spec.num_byzantine,
-                                                         overwrite_input=True)
-    if m in ("task_arithmetic", "ties"):
-        reader, base, index = base_reader
-
-        def with_base(path, leaves):
-            if path[:1] != ("target",):  # optimizer state and step: mean / max
-                return methods.weighted_mean(leaves, methods.uniform_weights(len(leaves)),
-                                             overwrite_input=True)
-            b = reader.read(base, path, index[path])
-            if m == "ties":
-                return methods.ties(leaves, b, solved["ties_thresholds"], spec.scale)
-            return methods.task_arithmetic(leaves, b, spec.scale)
-        return with_base
-    raise AssertionError(f"{m}: a weight method reached the per-leaf dispatch")
+def _check_request(candidates: list[Candidate], spec: MergeSpec, gate_cfg: GateConfig,
+                   evaluator: Any, base: Candidate | None) -> None:
+    if not candidates:
+        raise ValueError("runs: no candidates to merge (give at least one model dir or "
+                         "checkpoint_<step> dir)")
+    spec.check_candidates(len(candidates))
+    if METHODS[spec.method].needs_base and base is None:
+        raise ValueError(f"method={spec.method} needs a base checkpoint (base=...)")
+    needs = evaluation_needs(spec, gate_cfg)
+    if needs and evaluator is None:
+        raise ValueError(f"{', '.join(needs)} need validation batches (an evaluator)")
 
 
 def _leaf_weights(solved: dict, path: tuple) -> np.ndarray | None:
@@ -145,23 +53,101 @@ def _leaf_weights(solved: dict, path: tuple) -> np.ndarray | None:
     `learned` takes each candidate's mean layer weight."""
     if "layer_weights" in solved and path in solved["group_of"]:
         return solved["layer_weights"][:, solved["group_of"][path]]
-    return solved.get("weights")
+    w = solved.get("weights")
+    return None if w is None else np.asarray(w)
 
 
-def _merge_leaves(gate: GateResult, solved: dict, fn: Any, reader: LeafReader) -> dict:
-    """The streaming pass: one leaf of each candidate at a time. The leaves are fresh
-    reads this pass owns, so the aggregators write into the first one's buffer."""
-    flat = {}
+def _stream(gate: GateResult, reader: LeafReader, observer: Observer | None, solved: dict,
+            fn: Any) -> dict | None:
+    """One read of every leaf of the accepted candidates: the observer sees each leaf, the
+    Gram matrix accumulates, and the leaf is merged (per-leaf `fn`, or the solved weights).
+    None when the observer found a bad candidate (the merge must run again without it).
+    The leaves are fresh reads this pass owns, so the aggregators write into the first."""
+    pool, flat = gate.accepted, {}
+    merging = fn is not None or "weights" in solved
     for path, info in gate.index.items():
         w = _leaf_weights(solved, path)
-        if w is None:
-            flat[path] = fn(path, reader.read_many(gate.accepted, path, info))
+        if observer is None and w is not None:  # zero-weight candidates are never read
+            keep = np.flatnonzero(w)
+            flat[path] = methods.weighted_mean(reader.read_many(
+                [pool[i] for i in keep], path, info), w[keep], overwrite_input=True)
             continue
-        keep = np.flatnonzero(np.asarray(w))  # zero-weight candidates are never read
-        flat[path] = methods.weighted_mean(
-            reader.read_many([gate.accepted[i] for i in keep], path, info), np.asarray(w)[keep],
-            overwrite_input=True)
-    return flat
+        leaves = gating.read_leaf(reader, pool, path, info, observer)
+        if observer is not None:
+            observer.observe(path, leaves)
+            if observer.bad:
+                merging = False
+                continue
+        if gate.gram is not None and path[:1] == TARGET:
+            methods.gram_update(gate.gram, leaves)
+        if fn is not None:
+            flat[path] = fn(path, leaves)
+        elif w is not None:
+            flat[path] = methods.weighted_mean(leaves, w, overwrite_input=True)
+    return flat if merging else None
+
+
+# Methods whose weights depend only on which candidates are in the pool: they merge in the
+# gate's pass. Per-leaf methods without a solver do too.
+UP_FRONT = ("uniform", "weighted")
+
+
+def _gated_merge(gate: GateResult, candidates: list[Candidate], spec: MergeSpec,
+                 cfg: GateConfig, solve: Solve) -> tuple[dict, dict]:
+    """Stream, gating and (where it can) merging in the same pass, until no candidate is
+    rejected; then solve the method and merge, if that pass could not. (flat, solved)."""
+    method = METHODS[spec.method]
+    in_gate_pass = spec.method in UP_FRONT or (method.leaf is not None and method.solve is None)
+    solved: dict = {}
+
+    def gate_pass(observer: Observer) -> dict | None:
+        _check_passed(gate, spec)
+        solved.clear()
+        solved.update(method.solve(solve) if spec.method in UP_FRONT else {})
+        fn = method.leaf(spec, {}, solve.base) if in_gate_pass and method.leaf else None
+        gate.gram = np.zeros((len(gate.accepted),) * 2) if method.needs_gram else None
+        return _stream(gate, solve.reader, observer, solved, fn)
+
+    flat = gating.until_sound(candidates, gate, cfg, gate_pass)
+    _check_passed(gate, spec)
+    if flat is None:
+        solved = method.solve(solve) if method.solve else {}
+        fn = method.leaf(spec, solved, solve.base) if method.leaf else None
+        flat = _stream(gate, solve.reader, None, solved, fn)
+    return flat, solved
+
+
+def _check_passed(gate: GateResult, spec: MergeSpec) -> None:
+    """The method's bounds on the candidates left (e.g. Krum's n > 2f + 2) as errors."""
+    try:
+        spec.check_candidates(len(gate.accepted), "candidates that passed the gate")
+    except ValueError as err:
+        lines = "; ".join(f"{name}: {why}" for name, why in gate.rejected.items())
+        raise ConsensusError(f"{err}; rejected: {lines or 'none'}") from None
+
+
+def check_output(flat: dict, gate: GateResult, spec: MergeSpec) -> None:
+    """The merged state has the candidates' tree and only finite values, or nothing is
+    written."""
+    want, have = set(gate.index), set(flat)
+    if want != have:
+        odd = sorted(want ^ have)[0]
+        raise ValueError(f"merged state not written (method={spec.method}): its tree differs "
+                         f"from the candidates' at {'.'.join(odd)}")
+    for path, info in gate.index.items():
+        leaf = np.asarray(flat[path])
+        if tuple(leaf.shape) != tuple(info.shape) or leaf.dtype != info.dtype:
+            raise ValueError(f"merged state not written (method={spec.method}): "
+                             f"{'.'.join(path)} is {leaf.shape} {leaf.dtype}, the candidates' "
+                             f"is {info.shape} {info.dtype}")
+        if np.issubdtype(leaf.dtype, np.floating) and not np.isfinite(leaf).all():
+            raise ValueError(f"merged state not written: method={spec.method} gave non-finite "
+                             f"values in {'.'.join(path)} (parameters {_params(spec)})")
+
+
+def _params(spec: MergeSpec) -> str:
+    used = METHODS[spec.method].params
+    return ", ".join(f"{k}={getattr(spec, k)!r}" for k in used) or "none"
 
 
 def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
@@ -174,27 +160,18 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
     merge runs when nothing needs validation (`evaluation_needs`) and reports no loss.
     """
     t0 = time.perf_counter()
-    gate_cfg = gate_cfg or GateConfig()
+    candidates, gate_cfg = list(candidates), gate_cfg or GateConfig()
+    _check_request(candidates, spec, gate_cfg, evaluator, base)
     out_dir = Path(out_dir).absolute()
-    if spec.method in ("task_arithmetic", "ties") and base is None:
-        raise ValueError(f"method={spec.method} needs a base checkpoint (base=...)")
-    needs = evaluation_needs(spec, gate_cfg)
-    if needs and evaluator is None:
-        raise ValueError(f"{', '.join(needs)} need validation batches (an evaluator)")
-    with LeafReader(mesh) as reader:
-        gate = run_gate(list(candidates), reader, evaluator, gate_cfg, report_evaluator)
-        base_reader = None
-        if base is not None:
-            base_index = leaf_index(base)
-            bad = [p for p in gate.index if p[:1] == ("target",) and p not in base_index]
-            if bad:
-                raise ValueError(f"base {base.step_dir}: no leaf {'.'.join(bad[0])}")
-            base_reader = (reader, base, base_index)
-        solved = solve(spec, gate, reader, evaluator, [c.name for c in candidates], base_reader)
-        fn = None if "weights" in solved else _leaf_fn(spec, solved, base_reader)
-        flat = _merge_leaves(gate, solved, fn, reader)
+    with LeafReader(mesh) as reader, gating.digest_pool(len(candidates)) as pool:
+        gate = gating.precheck(candidates, gate_cfg, pool)
+        gating.score(gate, reader, evaluator, report_evaluator, gate_cfg)
+        base_reader = _base_reader(base, reader, gate) if base is not None else None
+        flat, solved = _gated_merge(gate, candidates, spec, gate_cfg, Solve(
+            spec, gate, reader, evaluator, [c.name for c in candidates], base_reader))
+        check_output(flat, gate, spec)
         step = max(c.step for c in gate.accepted)
-        params = unflatten({p[1:]: v for p, v in flat.items() if p[:1] == ("target",)})
+        params = unflatten({p[1:]: v for p, v in flat.items() if p[:1] == TARGET})
         merged_loss = evaluator.loss(params) if evaluator else None
         merged_held_out = report_evaluator.loss(params) if report_evaluator else None
         del params
@@ -205,3 +182,11 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
     if evaluator is not None:
         report.plot(rep, out_dir / PLOT)
     return rep
+
+
+def _base_reader(base: Candidate, reader: LeafReader, gate: GateResult) -> tuple:
+    base_index = leaf_index(base)
+    bad = [p for p in gate.index if p[:1] == TARGET and p not in base_index]
+    if bad:
+        raise ValueError(f"base {base.step_dir}: no leaf {'.'.join(bad[0])}")
+    return reader, base, base_index

@@ -197,6 +197,32 @@ def gram_update(gram_NxN: np.ndarray, leaves: Sequence[Leaf]) -> None:
                 gram_NxN += block @ block.T
 
 
+def sq_distances_to(leaves: Sequence[Leaf], center: Leaf) -> np.ndarray:
+    """||x_i - center||^2 for each leaf, float64, a cache-sized block at a time (no
+    leaf-sized temporaries; differences, not norms, so close candidates lose nothing)."""
+    out = np.zeros(len(leaves))
+    c = np.asarray(center, np.float32).reshape(-1)
+    flat = [np.asarray(x).reshape(-1) for x in leaves]
+    buf = np.empty(min(BLOCK_ELEMENTS, c.size), np.float32)
+    for start in range(0, c.size, BLOCK_ELEMENTS):
+        stop = min(start + BLOCK_ELEMENTS, c.size)
+        d = buf[: stop - start]
+        for i, x in enumerate(flat):
+            np.subtract(x[start:stop], c[start:stop], out=d, casting="unsafe")
+            out[i] += float(np.dot(d, d))
+    return out
+
+
+def all_finite(x: Leaf) -> bool:
+    """Whether a leaf holds no NaN/Inf: one summing pass (NaN and Inf survive a sum); only a
+    sum that overflows from huge finite values takes the exact look."""
+    flat = np.asarray(x).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is looked at next
+        if np.isfinite(np.add.reduce(flat)):
+            return True
+    return bool(np.isfinite(flat).all())
+
+
 def distances_sq(gram_NxN: np.ndarray) -> np.ndarray:
     """Pairwise squared distances from a Gram matrix; inf for non-finite candidates."""
     diag = np.diag(gram_NxN)

@@ -57,9 +57,9 @@ def build(candidates: Sequence[Any], spec: Any, gate: Any, solved: dict,
 
 
 def warning_lines(rep: dict) -> list[str]:
-    """Lines a front end prints: candidates merged without integrity verification, and a
-    merge whose reported loss is in-sample."""
-    lines = []
+    """Lines a front end prints: every candidate the gate rejected and why, candidates
+    merged without integrity verification, and a merge whose reported loss is in-sample."""
+    lines = [f"rejected {name}: {why}" for name, why in rep["rejections"].items()]
     if rep["unverified"]:
         lines.append(f"warning: merged {len(rep['unverified'])} candidate(s) with no checksum "
                      f"manifest, integrity unverified: {', '.join(rep['unverified'])}")

@@ -1,8 +1,7 @@
-"""The pieces of a run that merging needs (model, data sets, trainer), read from its config.gin.
-
-A run's config.gin binds T5X's names; parsing it with a few extra bindings of `parts`
-gives the same model, data sets and trainer the run trained with, on the local engine
-(a config.gin rendered for engine=t5x gets the local header: the bodies are identical).
+"""The pieces of a run that merging needs (model, data sets, partitioner, trainer), read from
+its config.gin the way every caller reads them: train_script.train's own bindings
+(`gin_utils.run_bindings`), so an MoE run merges with its MoE partitioner and trainer.
+A config.gin rendered for engine=t5x gets the local header (the bodies are identical).
 """
 
 from __future__ import annotations
@@ -11,26 +10,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import gin
 from capibara_exp import gin_bridge
 from capibara_exp.errors import ConfigError
 
 CONFIG_GIN = "config.gin"
-_PARTS_BINDINGS = """
-consensus_run.parts:
-  model = %MODEL
-  train_dataset_cfg = @train/utils.DatasetConfig()
-  eval_dataset_cfg = @train_eval/utils.DatasetConfig()
-  partitioner = @partitioning.PjitPartitioner()
-  trainer_cls = @trainer.Trainer
-  eval_steps = %EVAL_STEPS
-  random_seed = %RANDOM_SEED
-"""
 
 
 @dataclasses.dataclass(frozen=True)
 class RunParts:
-    """What a run was built from: its model, data sets, partitioner and trainer class."""
+    """What a run was built from: its model, data sets, partitioner, trainer class and the
+    local engine's trainer features (EMA, the skip policy)."""
 
     model: Any
     train_dataset_cfg: Any
@@ -39,13 +28,17 @@ class RunParts:
     trainer_cls: Any
     eval_steps: int
     random_seed: int | None
+    trainer_features: dict = dataclasses.field(default_factory=dict)
 
 
-def parts(*, model: Any, train_dataset_cfg: Any, eval_dataset_cfg: Any, partitioner: Any,
-          trainer_cls: Any, eval_steps: int, random_seed: int | None) -> RunParts:
-    """Gin-bound constructor of RunParts (the configurable the extra bindings name)."""
-    return RunParts(model, train_dataset_cfg, eval_dataset_cfg, partitioner, trainer_cls,
-                    eval_steps, random_seed)
+def parts_from_bindings(bindings: dict[str, Any]) -> RunParts:
+    """RunParts from train_script.train's bindings (gin_utils.run_bindings)."""
+    from capibara_exp.runtime.state import trainer_features
+
+    return RunParts(bindings["model"], bindings["train_dataset_cfg"],
+                    bindings.get("train_eval_dataset_cfg"), bindings["partitioner"],
+                    bindings["trainer_cls"], bindings.get("eval_steps", 0),
+                    bindings.get("random_seed"), trainer_features(bindings))
 
 
 def find_config_gin(path: str | Path) -> Path:
@@ -59,11 +52,8 @@ def find_config_gin(path: str | Path) -> Path:
 
 
 def local_gin_text(config_gin: Path) -> str:
-    """The config.gin text with the local engine's header and the `parts` bindings."""
-    text = config_gin.read_text()
-    body = gin_bridge.body_of(text)
-    extra = "from capibara_exp.consensus import run as consensus_run\n"
-    return gin_bridge.header("local") + extra + body + _PARTS_BINDINGS
+    """The config.gin text with the local engine's header."""
+    return gin_bridge.header("local") + gin_bridge.body_of(config_gin.read_text())
 
 
 def load_parts(config_gin: str | Path) -> RunParts:
@@ -71,5 +61,4 @@ def load_parts(config_gin: str | Path) -> RunParts:
     from capibara_exp.runtime import gin_utils
 
     config_gin = Path(config_gin)
-    gin_utils.parse(config_gin, local_gin_text(config_gin))
-    return gin.get_configurable(parts)()
+    return parts_from_bindings(gin_utils.run_bindings(config_gin, local_gin_text(config_gin)))

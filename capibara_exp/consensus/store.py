@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -70,19 +69,11 @@ def last_k(model_dir: str | Path, k: int) -> list[Candidate]:
 
 def leaf_index(candidate: Candidate) -> dict[LeafPath, LeafInfo]:
     """Every leaf's path, shape, dtype and partition spec, from the checkpoint's metadata."""
-    # The item's handler reads its tree metadata (the Checkpointer would also look for
-    # step metadata inside the item dir, and warn that it is not there).
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        meta = handler.metadata(candidate.state_dir)
-    finally:
-        handler.close()
-    tree = getattr(meta, "tree", meta)
     index = {}
-    for path, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for path, m in checkpoints.tree_metadata(candidate.step_dir).items():
         sharding = getattr(m, "sharding", None)
         spec = tuple(sharding.partition_spec) if hasattr(sharding, "partition_spec") else None
-        index[tuple(str(k.key) for k in path)] = LeafInfo(tuple(m.shape), np.dtype(m.dtype), spec)
+        index[path] = LeafInfo(tuple(m.shape), np.dtype(m.dtype), spec)
     return index
 
 
@@ -186,7 +177,7 @@ def write(model_dir: str | Path, step: int, flat: dict[LeafPath, Any]) -> Path:
     """Write a merged tree as model_dir/checkpoint_<step> in T5X layout, with its manifest."""
     mgr = checkpoints.manager(model_dir)
     try:
-        checkpoints.save(mgr, step, unflatten(flat))
+        checkpoints.save(mgr, step, unflatten(flat), kind="merge")
     finally:
         mgr.close()
     return Path(model_dir).absolute() / f"{checkpoints.STEP_PREFIX}_{step}"

@@ -5,6 +5,10 @@ worker, then runs one command on all of them at once (`gcloud ... ssh --worker=a
 the model dir and the data dir on storage every worker sees. JAX joins the workers itself
 (`jax.distributed.initialize()` detects a TPU slice): T5X does it in t5x.train; the local
 engine's worker entry (`python -m capibara_exp.runtime`) does it with mode auto.
+
+The script restarts the job when it fails or is preempted, a bounded number of times with
+a growing wait, logging each restart to launch_tpu_vm.log beside it; every run resumes
+from the newest checkpoint that verifies (the local runtime; T5X restores its latest).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import shlex
 from typing import Any
 
 from capibara_exp import topologies
-from capibara_exp.errors import ConfigError
+from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
 from capibara_exp.topologies import Topology
 
 RUNTIMES = ("t5x", "local")
@@ -23,9 +27,20 @@ RUNTIME_VERSIONS = {"TPU v5 lite": "v2-alpha-tpuv5-lite", "TPU v6 lite": "v2-alp
                     "TPU v5": "v2-alpha-tpuv5", "TPU v4": "tpu-ubuntu2204-base"}
 
 
+def _check_restarts(e: Any) -> None:
+    for key in ("max_restarts", "restart_backoff_s", "restart_backoff_max_s"):
+        value = e.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"engine.{key} must be an integer >= 0, got {value!r}")
+    if e.restart_backoff_max_s < e.restart_backoff_s:
+        raise ConfigError(f"engine.restart_backoff_max_s={e.restart_backoff_max_s} is below "
+                          f"engine.restart_backoff_s={e.restart_backoff_s}")
+
+
 def check(cfg: Any) -> Topology:
     """The slice the experiment declares, and settings errors naming their keys."""
     e = cfg.engine
+    _check_restarts(e)
     try:
         topology = topologies.get(str(cfg.topology))
     except ValueError as err:
@@ -62,8 +77,42 @@ def worker_command(cfg: Any, gin_path: str, data_dir: str) -> str:
     return " && ".join(steps)
 
 
+def _restart_loop(e: Any, job: list[str], model_dir: str) -> list[str]:
+    """Bash that runs the job and restarts it on failure or preemption: at most
+    engine.max_restarts times, waiting engine.restart_backoff_s doubled after each restart
+    (up to engine.restart_backoff_max_s); a configuration error (exit 2) is not retried.
+    Each run resumes from the newest checkpoint in the model dir that verifies."""
+    return [
+        f"MAX_RESTARTS={int(e.max_restarts)}  # engine.max_restarts",
+        f"DELAY_S={int(e.restart_backoff_s)}  # engine.restart_backoff_s, doubled per restart",
+        f"MAX_DELAY_S={int(e.restart_backoff_max_s)}  # engine.restart_backoff_max_s",
+        f"PREEMPTED={PREEMPTED_EXIT_CODE}  # a worker's exit status after a preemption save",
+        'LOG="$(dirname "$0")/launch_tpu_vm.log"',
+        'log() { echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $*" | tee -a "$LOG" >&2; }',
+        "restarts=0",
+        "while true; do",
+        f"  {shlex.join(job)}",
+        "  rc=$?",
+        '  if [ "$rc" -eq 0 ]; then log "job finished"; exit 0; fi',
+        '  if [ "$rc" -eq 2 ]; then log "job failed with a configuration error (exit 2): not '
+        'restarted"; exit 2; fi',
+        '  why="failed"; if [ "$rc" -eq "$PREEMPTED" ]; then why="was preempted"; fi',
+        '  if [ "$restarts" -ge "$MAX_RESTARTS" ]; then',
+        '    log "job $why (exit $rc) and $restarts of $MAX_RESTARTS restarts are used: giving up"',
+        '    exit "$rc"',
+        "  fi",
+        "  restarts=$((restarts + 1))",
+        f'  log "job $why (exit $rc); restart $restarts of $MAX_RESTARTS in ${{DELAY_S}}s, '
+        f'resuming from the newest verified checkpoint in {model_dir}"',
+        '  sleep "$DELAY_S"',
+        "  DELAY_S=$((DELAY_S * 2 > MAX_DELAY_S ? MAX_DELAY_S : DELAY_S * 2))",
+        "done",
+    ]
+
+
 def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str) -> str:
-    """The bash script: copy config.gin to every worker, then run on all workers."""
+    """The bash script: copy config.gin to every worker, then run on all workers, restarting
+    the job when it fails or is preempted."""
     e = cfg.engine
     where = [f"--zone={e.zone}"] + ([f"--project={e.project}"] if e.get("project") else [])
     target = f"{e.workdir.rstrip('/')}/{cfg.name}/{run_name}"
@@ -75,6 +124,7 @@ def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str) -> s
     create = ["gcloud", "compute", "tpus", "tpu-vm", "create", e.tpu_name, *where,
               f"--accelerator-type={topology.accelerator_type}",
               f"--version={RUNTIME_VERSIONS.get(topology.chip.kind, 'tpu-ubuntu2204-base')}"]
+    job = [*ssh, f"--command={worker_command(cfg, gin_path, data_dir)}"]
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# Written by capibara-exp (engine=tpu_vm, runtime {e.runtime}) for {cfg.name} on "
@@ -83,9 +133,9 @@ def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str) -> s
         f"#   {shlex.join(create)}",
         f"# Every worker runs the same config.gin ({gin_path}); model dir {cfg.model_dir},",
         f"# data dir {data_dir}: storage every worker mounts.",
-        "set -euo pipefail",
-        shlex.join([*ssh, f"--command=mkdir -p {shlex.quote(target)}"]),
-        shlex.join(scp),
-        shlex.join([*ssh, f"--command={worker_command(cfg, gin_path, data_dir)}"]),
+        "set -uo pipefail",
+        shlex.join([*ssh, f"--command=mkdir -p {shlex.quote(target)}"]) + " || exit",
+        shlex.join(scp) + " || exit",
+        *_restart_loop(e, job, str(cfg.model_dir)),
         "",
     ])

@@ -4,39 +4,44 @@ The tree is T5X's {'state': {'step', 'param_states'}, 'target': params}, written
 Orbax CheckpointManager with step prefix 'checkpoint' and a PyTree handler with OCDBT,
 so T5X restores it with RestoreCheckpointConfig(mode='specific') and back.
 
-Each step dir also gets a checksum manifest (MANIFEST: SHA-256 and size of every file,
-written after Orbax finishes), so a merge can tell a corrupt or truncated checkpoint
-from a good one before reading it.
+Every save first checks that the state is finite (one fused reduction on the devices) and
+refuses a state with NaN/Inf. Saves may be asynchronous (Orbax copies the arrays off the
+devices, then writes while training goes on); when Orbax has committed a step, its
+post-finalization callback writes the step's checksum manifest (runtime/integrity.py).
+The kind of save (periodic, preemption, ...) goes into Orbax's own step metadata too.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+from capibara_exp.errors import RunError
+from capibara_exp.runtime import integrity
 
 STEP_PREFIX = "checkpoint"
 ITEM = "state"
 _STEP_DIR_RE = re.compile(rf"^{STEP_PREFIX}_(\d+)$")
-MANIFEST = "capibara_manifest.json"
-_HASH_CHUNK_BYTES = 1 << 20
+KIND_KEY = "capibara_save_kind"  # in Orbax's custom step metadata
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that exists but cannot be read."""
 
 
-def manager(model_dir: str | Path, keep: int | None = None) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(step_prefix=STEP_PREFIX, max_to_keep=keep, create=True)
-    return ocp.CheckpointManager(
-        Path(model_dir).absolute(), options=options,
-        item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True)})
+class NonFiniteState(RunError):
+    """A save was refused: the state holds NaN or Inf."""
+
+
+def step_dir(model_dir: str | Path, step: int) -> Path:
+    return Path(model_dir).absolute() / f"{STEP_PREFIX}_{step}"
 
 
 def steps(model_dir: str | Path) -> list[int]:
@@ -55,63 +60,123 @@ def cast_floats(tree: Any, dtype: str) -> Any:
                         tree)
 
 
-def save(mgr: ocp.CheckpointManager, step: int, tree: Any) -> None:
-    """Write one checkpoint and wait until it is on disk."""
-    mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}), force=True)
-    mgr.wait_until_finished()
-    if jax.process_index() == 0:
-        write_manifest(Path(mgr.directory) / f"{STEP_PREFIX}_{step}")
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", np.asarray(x).dtype), jnp.inexact)
 
 
-def _file_digest(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
-def _files(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+def all_finite(tree: Any) -> bool:
+    """Whether every float leaf is finite: one fused reduction on the devices for jax.Arrays
+    (one scalar comes back), NumPy on the host for host arrays."""
+    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    on_device = [x for x in leaves if isinstance(x, jax.Array)]
+    on_host = [x for x in leaves if not isinstance(x, jax.Array)]
+    if on_device and not bool(_all_finite(on_device)):
+        return False
+    return all(bool(np.isfinite(x).all()) for x in on_host)
 
 
-def write_manifest(step_dir: str | Path) -> Path:
-    """Write step_dir/MANIFEST: {relative path: {sha256, bytes}} of every file under it."""
-    step_dir = Path(step_dir)
-    files = {str(p.relative_to(step_dir)): {"sha256": _file_digest(p), "bytes": p.stat().st_size}
-             for p in _files(step_dir)}
-    path = step_dir / MANIFEST
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: a manifest is either complete or absent
-    return path
+def nonfinite_paths(tree: Any, limit: int = 3) -> list[str]:
+    """Paths of (up to `limit`) leaves holding NaN/Inf: the slow look, for messages."""
+    found = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_float(leaf) and not bool(np.isfinite(np.asarray(leaf)).all()):
+            found.append("/".join(str(getattr(k, "key", k)) for k in path))
+            if len(found) == limit:
+                break
+    return found
 
 
-def verify_manifest(step_dir: str | Path) -> list[str] | None:
-    """Problems found against step_dir's manifest ([] if intact); None if it has no manifest."""
-    step_dir = Path(step_dir)
-    path = step_dir / MANIFEST
-    if not path.is_file():
-        return None
+class Checkpointer:
+    """An Orbax CheckpointManager for one model dir that writes manifests and refuses
+    non-finite states. `async_save`: saves return once the arrays are off the devices."""
+
+    def __init__(self, model_dir: str | Path, keep: int | None = None,
+                 async_save: bool = False):
+        self.directory = Path(model_dir).absolute()
+        self._pending: dict[int, dict] = {}  # committed-to-be steps -> manifest facts
+        self._lock = threading.Lock()
+        options = ocp.CheckpointManagerOptions(
+            step_prefix=STEP_PREFIX, max_to_keep=keep, create=True,
+            cleanup_tmp_directories=True,  # a save a kill cut short leaves a temporary dir
+            enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifests)
+            if async_save else None)
+        self._mgr = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True)})
+
+    def save(self, step: int, tree: Any, kind: str = "saved", wait: bool = True) -> Path:
+        """Write checkpoint_<step> (refusing a non-finite tree); with wait=False return once
+        Orbax has the arrays, and the manifest follows when the step is committed."""
+        if not all_finite(tree):
+            where = ", ".join(nonfinite_paths(tree))
+            raise NonFiniteState(f"checkpoint_{step} not written: the state holds NaN/Inf "
+                                 f"(in {where})")
+        self.wait()  # one save at a time: the previous one commits before this one starts
+        with self._lock:
+            self._pending[step] = {"step": step, "kind": kind, "finite": True}
+        self._mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
+                       force=True, custom_metadata={KIND_KEY: kind})
+        if wait or not self._mgr.is_saving_in_progress():
+            self.wait()
+        return step_dir(self.directory, step)
+
+    def _write_manifests(self) -> None:
+        """Orbax's post-finalization callback: manifests for the steps it has committed."""
+        with self._lock:
+            pending = dict(self._pending)
+        for step, info in sorted(pending.items()):
+            path = step_dir(self.directory, step)
+            if not (path / integrity.COMMIT_MARKER).is_file():
+                continue
+            if jax.process_index() == 0:
+                integrity.write_manifest(path, **info)
+            with self._lock:
+                self._pending.pop(step, None)
+
+    def wait(self) -> None:
+        """Until every save has been committed and has its manifest."""
+        self._mgr.wait_until_finished()
+        if self._pending:  # a synchronous save runs no async callback
+            self._write_manifests()
+
+    def close(self) -> None:
+        self.wait()
+        self._mgr.close()
+
+
+def manager(model_dir: str | Path, keep: int | None = None,
+            async_save: bool = False) -> Checkpointer:
+    return Checkpointer(model_dir, keep, async_save)
+
+
+def save(mgr: Checkpointer, step: int, tree: Any, kind: str = "saved") -> Path:
+    """Write one checkpoint and wait until it is on disk with its manifest."""
+    return mgr.save(step, tree, kind, wait=True)
+
+
+def tree_metadata(step_path: str | Path) -> dict[tuple[str, ...], Any]:
+    """{leaf path: Orbax's metadata of the leaf (shape, dtype, sharding)} of a step dir."""
+    # The item's handler reads its tree metadata (the Checkpointer would also look for
+    # step metadata inside the item dir, and warn that it is not there).
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        files = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        return [f"{path}: unreadable manifest ({err})"]
-    problems = []
-    for rel, want in sorted(files.items()):
-        f = step_dir / rel
-        if not f.is_file():
-            problems.append(f"{f}: missing")
-        elif f.stat().st_size != want["bytes"]:
-            problems.append(f"{f}: {f.stat().st_size} bytes, manifest says {want['bytes']} "
-                            "(truncated or rewritten)")
-        elif _file_digest(f) != want["sha256"]:
-            problems.append(f"{f}: SHA-256 differs from the manifest (corrupt)")
-    extra = sorted(str(p.relative_to(step_dir)) for p in _files(step_dir))
-    problems += [f"{step_dir / rel}: not in the manifest" for rel in extra if rel not in files]
-    return problems
+        meta = handler.metadata(Path(step_path) / ITEM)
+    finally:
+        handler.close()
+    tree = getattr(meta, "tree", meta)
+    return {tuple(str(k.key) for k in path): m
+            for path, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def restore(model_dir: str | Path, step: int, template: Any) -> Any:
     """Read checkpoint_<step>/state into the shapes, dtypes and shardings of `template`."""
-    path = Path(model_dir).absolute() / f"{STEP_PREFIX}_{step}" / ITEM
+    path = step_dir(model_dir, step) / ITEM
     restore_args = ocp.checkpoint_utils.construct_restore_args(template)
     try:
         with ocp.PyTreeCheckpointer() as ckptr:

@@ -60,8 +60,12 @@ class DatasetConfig:
                            use_custom_packing_ops=self.use_custom_packing_ops)
         require_value("utils.DatasetConfig", "use_memory_cache", self.use_memory_cache, True,
                       "keeps the train-eval batches in memory")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+            raise ValueError("utils.DatasetConfig.batch_size must be an integer, got "
+                             f"{self.batch_size!r}")
         if self.batch_size <= 0:
-            raise ValueError(f"utils.DatasetConfig.batch_size must be positive, got {self.batch_size}")
+            raise ValueError("utils.DatasetConfig.batch_size must be positive, got "
+                             f"{self.batch_size}")
         if not self.task_feature_lengths:
             raise ValueError("utils.DatasetConfig.task_feature_lengths is empty")
 

@@ -120,6 +120,16 @@ def _bound(selector: str) -> bool:
     return True
 
 
+def run_bindings(path: str | Path, gin_text: str | None = None) -> dict[str, Any]:
+    """A run's pieces as its config.gin builds them: train_script.train's arguments (model,
+    data sets, partitioner, trainer class, ...), every reference built by gin. The one way
+    the mesh planner, consensus merging and the benches get a run's parts."""
+    from capibara_exp.runtime import train_script
+
+    parse(path, gin_text)
+    return gin.get_bindings(train_script.train)
+
+
 def _binding_origin(gin_text: str, message: str, scope: str = "") -> str | None:
     """'LINE (from ...)' for the first parameter named in an error message (`Class.param`,
     `module.Class.param`) that config.gin binds: the line of its macro's value (a conf key)

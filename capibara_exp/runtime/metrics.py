@@ -140,13 +140,26 @@ class MetricsWriter:
             tb.close()
 
 
+class NullWriter:
+    """The metrics writer of processes other than 0: they report nothing."""
+
+    def write(self, *args: Any) -> None:
+        pass
+
+    def text(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Progress:
     """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal."""
 
-    def __init__(self, total_steps: int, stream: TextIO = sys.stderr):
+    def __init__(self, total_steps: int, stream: TextIO | None = None):
         self.total_steps = total_steps
-        self.stream = stream
-        self.tty = stream.isatty()
+        self.stream = stream or sys.stderr  # looked up now: a redirected stderr counts
+        self.tty = self.stream.isatty()
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_s: float,
                data_wait_share: float | None = None) -> None:

@@ -1,9 +1,9 @@
 """Compile an experiment's real train step for a device set (a TPU topology) without running it.
 
 The path is the one a run takes: the composed config is bridged to the local engine's gin,
-gin builds the model, partitioner and trainer class from train_script.train's bindings, and
-train_script.lower_train_step lowers the trainer's jitted step for shapes only. Only the
-devices differ: the partitioner lays its mesh over the topology's chips.
+gin builds the model, partitioner and trainer class from train_script.train's bindings
+(gin_utils.run_bindings), and state.lower_train_step lowers the trainer's jitted step for
+shapes only. Only the devices differ: the partitioner lays its mesh over the topology's chips.
 """
 
 from __future__ import annotations
@@ -86,12 +86,10 @@ def render_local_gin(cfg: DictConfig) -> str:
 
 def train_bindings(gin_text: str, devices: Sequence[Any]) -> dict[str, Any]:
     """train_script.train's arguments as gin builds them, with meshes over `devices`."""
-    import gin
-    from capibara_exp.runtime import gin_utils, partitioning, train_script
+    from capibara_exp.runtime import gin_utils, partitioning
 
-    gin_utils.parse("config.gin (candidate)", gin_text)
     with partitioning.target_devices(devices):
-        return gin.get_bindings(train_script.train)
+        return gin_utils.run_bindings("config.gin (candidate)", gin_text)
 
 
 def memory_per_chip(compiled: Any) -> float:
@@ -111,12 +109,12 @@ def oom_bytes(message: str) -> float:
 
 
 def model_flops_per_chip(bindings: dict[str, Any], num_devices: int) -> float:
-    from capibara_exp.runtime import train_script
+    from capibara_exp.runtime import state as run_state
     from capibara_exp.runtime.metrics import model_flops_per_token
 
     model, data = bindings["model"], bindings["train_dataset_cfg"]
     length = max(data.task_feature_lengths.values())
-    params = train_script.state_shapes(model, 1, length)[0].params
+    params = run_state.state_shapes(model, 1, length)[0].params
     per_token = model_flops_per_token(params, getattr(model.module, "config", None), length,
                                       getattr(model.module, "moe_config", None))
     return per_token * data.batch_size * length / num_devices
@@ -132,9 +130,9 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
 
     try:
         bindings = train_bindings(render_local_gin(cfg), devices)
-        from capibara_exp.runtime import train_script
+        from capibara_exp.runtime import state as run_state
 
-        lowered = train_script.lower_train_step(**bindings)
+        lowered = run_state.lower_train_step(**bindings)
         model_flops = model_flops_per_chip(bindings, len(devices))
         coords = mesh_coords(bindings["partitioner"].mesh)
     except (ValueError, ConfigError) as err:  # the mesh/config does not fit

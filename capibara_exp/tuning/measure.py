@@ -79,20 +79,18 @@ def time_train_steps(bindings: dict[str, Any], steps: int) -> float:
     through the trainer a run uses (same state layout, same jitted step)."""
     import jax
 
-    from capibara_exp.runtime import train_script
+    from capibara_exp.runtime import state as run_state
 
     model, data = bindings["model"], bindings["train_dataset_cfg"]
     partitioner = bindings["partitioner"]
     length = max(data.task_feature_lengths.values())
     init_rng, rng = jax.random.split(jax.random.PRNGKey(0))
-    state, axes = train_script.initial_state(model, init_rng, data.batch_size, length)
-    trainer = train_script.make_trainer(
+    state, axes = run_state.initial_state(model, init_rng, data.batch_size, length)
+    trainer = run_state.make_trainer(
         bindings["trainer_cls"], model, partitioner, state, axes, rng, data.batch_size, None,
-        ema_decay=bindings.get("ema_decay"),
-        skip_nonfinite_updates=bindings.get("skip_nonfinite_updates", False),
-        max_consecutive_skips=bindings.get("max_consecutive_skips"))
+        **run_state.trainer_features(bindings))
     state = trainer.prepare_state(state)
-    host = synthetic_batch(train_script.batch_shapes(data, model), model.module.config.vocab_size)
+    host = synthetic_batch(run_state.batch_shapes(data, model), model.module.config.vocab_size)
     batch = jax.device_put(host, partitioner.data_sharding())
     state, metrics = trainer.train_step(state, batch)  # compile
     jax.block_until_ready(metrics)

@@ -1,0 +1,294 @@
+"""The merge methods and their parameters, one table each.
+
+`MergeSpec`'s fields are every merge parameter, each with its default, its meaning and its
+check (field metadata); `METHODS` maps a method to its solver (weights over the accepted
+candidates), its per-leaf function, whether it needs validation batches or a base, which
+parameters it reads, and the fewest candidates it can take. The console script's help,
+conf/merge.yaml's keys (checked by a test), the consensus action's `merge_params` and
+merge() itself all read these tables: a new parameter is a field here and a key in
+conf/merge.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _weights_ok(w: Any) -> str | None:
+    if w is None:
+        return None
+    if isinstance(w, (str, Mapping)) or not all(_real(x) for x in w):
+        return f"must be a list of finite numbers, got {w!r}"
+    if any(x < 0 for x in w) or sum(w) <= 0:
+        return f"must be >= 0 with a positive sum, got {list(w)!r}"
+    return None
+
+
+def _param(default: Any, help: str, check: Callable[[Any], str | None]) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeSpec:
+    """A merge method and its parameters (conf/merge.yaml, the action's merge_params)."""
+
+    method: str = "uniform"
+    weights: Sequence[float] | None = _param(
+        None, "one weight per candidate: finite, >= 0, positive sum (renormalised over those "
+        "that pass the gate)", _weights_ok)
+    num_byzantine: int = _param(
+        0, "f, how many candidates may be bad: an integer >= 0; trimmed_mean trims f per side; "
+        "median, trimmed_mean and geometric_median need n > 2f, krum and multi_krum n > 2f + 2",
+        lambda f: None if _int(f) and f >= 0 else f"must be an integer >= 0, got {f!r}")
+    num_selected: int | None = _param(
+        None, "multi_krum: how many to average, an integer in [1, n - f] (null: n - f)",
+        lambda k: None if k is None or (_int(k) and k >= 1) else
+        f"must be an integer >= 1 or null, got {k!r}")
+    scale: float = _param(1.0, "lambda on the summed task vectors: finite",
+                          lambda s: None if _real(s) else f"must be a finite number, got {s!r}")
+    density: float = _param(
+        0.2, "share of each whole task vector kept: in (0, 1]",
+        lambda d: None if _real(d) and 0 < d <= 1 else f"must be in (0, 1], got {d!r}")
+    learn_steps: int = _param(
+        10, "optimiser steps on the weights: an integer >= 1",
+        lambda n: None if _int(n) and n >= 1 else f"must be an integer >= 1, got {n!r}")
+    learn_rate: float = _param(
+        0.05, "Adam's learning rate on the weight logits: finite, > 0",
+        lambda r: None if _real(r) and r > 0 else f"must be a finite number > 0, got {r!r}")
+    per_layer: bool = _param(
+        True, "one weight per candidate and layer (false: one per candidate)",
+        lambda b: None if isinstance(b, bool) else f"must be true or false, got {b!r}")
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: unknown merge method {self.method!r} (choose from "
+                             f"{', '.join(METHODS)})")
+        if self.weights is not None and not isinstance(self.weights, (str, Mapping)):
+            object.__setattr__(self, "weights", tuple(self.weights))
+        if self.method == "weighted" and self.weights is None:
+            raise ValueError("weights: method=weighted needs one weight per candidate, got null")
+        used = METHODS[self.method].params
+        for field in dataclasses.fields(self)[1:]:
+            value = getattr(self, field.name)
+            problem = field.metadata["check"](value)
+            if problem:
+                raise ValueError(f"{field.name}: {problem}")
+            if field.name not in used and value != field.default:
+                raise ValueError(f"{field.name}={value!r} is not a parameter of method="
+                                 f"{self.method} (its parameters: {', '.join(used) or 'none'})")
+
+    def check_candidates(self, n: int, what: str = "candidates") -> None:
+        """The method's bounds for n candidates, as errors (never clamped)."""
+        m, f = METHODS[self.method], self.num_byzantine
+        if n < m.min_candidates(self):
+            raise ValueError(f"method={self.method} with num_byzantine={f} needs at least "
+                             f"{m.min_candidates(self)} {what} ({m.bound}), got {n}")
+        if self.weights is not None and len(self.weights) != n and what == "candidates":
+            raise ValueError(f"weights: method=weighted needs one weight per candidate ({n}), "
+                             f"got {len(self.weights)}")
+        if self.num_selected is not None and self.num_selected > n - f:
+            raise ValueError(f"num_selected={self.num_selected} must be in [1, n - f] = "
+                             f"[1, {n - f}] for {n} {what}")
+
+
+def spec_from(method: str, params: Mapping[str, Any]) -> MergeSpec:
+    """A MergeSpec from a method and a mapping of parameters; unknown names are errors."""
+    known = param_names()
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ValueError(f"merge parameter {unknown[0]!r} is not one of {', '.join(known)}")
+    return MergeSpec(method=method, **dict(params))
+
+
+def param_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(MergeSpec)[1:]]
+
+
+# ---- solvers: weights over the accepted candidates (or the method's own solution) ---------
+
+@dataclasses.dataclass
+class Solve:
+    """What a solver sees: the spec, the gate's result, the reader, the selection
+    evaluator, every candidate's name (the order weights are given in) and the base."""
+
+    spec: MergeSpec
+    gate: Any
+    reader: Any
+    evaluator: Any
+    names: Sequence[str]
+    base: tuple | None  # (reader, base candidate, its leaf index)
+
+
+def _uniform(s: Solve) -> dict:
+    from capibara_exp.consensus import methods
+
+    return {"weights": methods.uniform_weights(len(s.gate.accepted))}
+
+
+def _weighted(s: Solve) -> dict:
+    if s.spec.weights is None:
+        raise ValueError("weights: method=weighted needs one weight per candidate, got null")
+    by_name = dict(zip(s.names, s.spec.weights, strict=True))
+    w = np.array([by_name[c.name] for c in s.gate.accepted], np.float64)
+    if not w.sum() > 0:
+        raise ValueError(f"weights: the candidates that passed the gate have weights summing to "
+                         f"0 ({list(s.spec.weights)!r})")
+    return {"weights": w / w.sum()}  # renormalised over the candidates that passed
+
+
+def _greedy(s: Solve) -> dict:
+    from capibara_exp.consensus import soups
+
+    w, log = soups.greedy_soup(s.gate.accepted, s.gate.val_loss, s.reader, s.gate.index,
+                               s.evaluator)
+    return {"weights": w, "greedy_log": log}
+
+
+def _learned(s: Solve) -> dict:
+    from capibara_exp.consensus import soups
+
+    w, group_of, hist = soups.learned_weights(s.gate.accepted, s.reader, s.gate.index,
+                                              s.evaluator, s.spec.learn_steps,
+                                              s.spec.learn_rate, s.spec.per_layer)
+    return {"weights": w.mean(axis=1), "layer_weights": w, "group_of": group_of,
+            "learn_history": hist}
+
+
+def _krum(s: Solve) -> dict:
+    from capibara_exp.consensus import methods
+
+    n, f = len(s.gate.accepted), s.spec.num_byzantine
+    selected = 1 if s.spec.method == "krum" else (s.spec.num_selected or n - f)
+    return {"weights": methods.krum_weights(s.gate.gram, f, selected)}
+
+
+def _geometric_median(s: Solve) -> dict:
+    from capibara_exp.consensus import methods
+
+    return {"weights": methods.geometric_median_weights(s.gate.gram)}
+
+
+def _task_vectors(s: Solve) -> Callable:
+    """A callable yielding, leaf by leaf, the accepted candidates' float task vectors."""
+    reader, base, base_index = s.base
+
+    def leaves():
+        for p, info in s.gate.index.items():
+            if p[:1] == ("target",) and np.issubdtype(info.dtype, np.floating):
+                b = np.asarray(reader.read(base, p, base_index[p]), np.float32)
+                yield [np.asarray(reader.read(c, p, info), np.float32) - b
+                       for c in s.gate.accepted]
+    return leaves
+
+
+def _ties_thresholds(s: Solve) -> dict:
+    from capibara_exp.consensus import methods
+
+    return {"ties_thresholds": methods.ties_thresholds(_task_vectors(s), s.spec.density)}
+
+
+# ---- per-leaf functions: fn(path, leaves) -> merged leaf (leaves are fresh reads) ---------
+
+def _median_leaf(spec: MergeSpec, solved: dict, base: tuple | None) -> Callable:
+    from capibara_exp.consensus import methods
+
+    return lambda path, leaves: methods.median(leaves, overwrite_input=True)
+
+
+def _trimmed_leaf(spec: MergeSpec, solved: dict, base: tuple | None) -> Callable:
+    from capibara_exp.consensus import methods
+
+    return lambda path, leaves: methods.trimmed_mean(leaves, spec.num_byzantine,
+                                                     overwrite_input=True)
+
+
+def _with_base(spec: MergeSpec, solved: dict, base: tuple) -> Callable:
+    from capibara_exp.consensus import methods
+
+    reader, candidate, index = base
+
+    def leaf(path, leaves):
+        if path[:1] != ("target",):  # optimizer state and step: mean / max
+            return methods.weighted_mean(leaves, methods.uniform_weights(len(leaves)),
+                                         overwrite_input=True)
+        b = reader.read(candidate, path, index[path])
+        if spec.method == "ties":
+            return methods.ties(leaves, b, solved["ties_thresholds"], spec.scale)
+        return methods.task_arithmetic(leaves, b, spec.scale)
+    return leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One merge method: what it is, what it reads and how it runs."""
+
+    help: str
+    params: tuple[str, ...] = ()
+    solve: Callable[[Solve], dict] | None = None
+    leaf: Callable[[MergeSpec, dict, tuple | None], Callable] | None = None
+    needs_validation: bool = False
+    needs_base: bool = False
+    needs_gram: bool = False  # the solver works on the candidates' Gram matrix
+    min_candidates: Callable[[MergeSpec], int] = lambda spec: 1
+    bound: str = ""
+
+
+METHODS: dict[str, Method] = {
+    "uniform": Method("the mean of the candidates", solve=_uniform),
+    "weighted": Method("sum_i w_i x_i with the given weights", ("weights",), solve=_weighted),
+    "greedy_soup": Method("Wortsman et al.: best first, add a candidate only if the "
+                          "validation loss drops", solve=_greedy, needs_validation=True),
+    "learned": Method("softmax weights per candidate (and layer) fitted to the validation "
+                      "loss", ("learn_steps", "learn_rate", "per_layer"), solve=_learned,
+                      needs_validation=True),
+    "median": Method("the coordinate-wise median (breakdown point 1/2)", ("num_byzantine",),
+                     leaf=_median_leaf, min_candidates=lambda s: 2 * s.num_byzantine + 1,
+                     bound="n > 2f"),
+    "trimmed_mean": Method("the coordinate-wise mean without the f largest and smallest",
+                           ("num_byzantine",), leaf=_trimmed_leaf,
+                           min_candidates=lambda s: 2 * s.num_byzantine + 1, bound="n > 2f"),
+    "krum": Method("Blanchard et al.: the candidate closest to its n - f - 2 neighbours",
+                   ("num_byzantine",), solve=_krum, needs_gram=True,
+                   min_candidates=lambda s: 2 * s.num_byzantine + 3, bound="n > 2f + 2"),
+    "multi_krum": Method("the mean of the num_selected best Krum scores",
+                         ("num_byzantine", "num_selected"), solve=_krum, needs_gram=True,
+                         min_candidates=lambda s: 2 * s.num_byzantine + 3, bound="n > 2f + 2"),
+    "geometric_median": Method("Weiszfeld's geometric median (breakdown point 1/2)",
+                               ("num_byzantine",), solve=_geometric_median, needs_gram=True,
+                               min_candidates=lambda s: 2 * s.num_byzantine + 1,
+                               bound="n > 2f"),
+    "task_arithmetic": Method("base + scale * sum_i (x_i - base) (base=...)", ("scale",),
+                              leaf=_with_base, needs_base=True),
+    "ties": Method("TIES-merging: trim each task vector to `density`, elect signs, average "
+                   "(base=...)", ("scale", "density"), solve=_ties_thresholds, leaf=_with_base,
+                   needs_base=True),
+}
+
+
+def help_text() -> str:
+    """The methods and parameters, for `capibara-exp-merge --help`."""
+    lines = ["Methods (method=...):"]
+    for name, m in METHODS.items():
+        extra = [f"params: {', '.join(m.params)}"] if m.params else []
+        extra += ["needs validation batches"] if m.needs_validation else []
+        extra += ["needs base="] if m.needs_base else []
+        extra += [m.bound] if m.bound else []
+        lines.append(f"  {name:17s}{m.help}" + (f" [{'; '.join(extra)}]" if extra else ""))
+    lines.append("  fedavg           FedAvg rounds on one run's model and task (fedavg.*)")
+    lines.append("Parameters (key=value; default):")
+    for field in dataclasses.fields(MergeSpec)[1:]:
+        lines.append(f"  {field.name} ({field.default!r}): {field.metadata['help']}")
+    return "\n".join(lines)
