@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from capibara_exp.tuning.topology import TOPOLOGIES
+from capibara_exp import topologies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Rule:
     choices: tuple[Any, ...] = ()
     item: Rule | None = None  # list items / map values
     null: bool = False
+    valid: Callable[[Any], bool] | None = None  # a test beyond kind and range
+    says: str = ""  # what `valid` allows, for the message
 
     def problem(self, value: Any) -> str | None:
         """None if the value is allowed, else what is allowed."""
@@ -40,6 +42,8 @@ class Rule:
         if not _of_kind(self.kind, value):
             return self.allowed()
         if self.choices and value not in self.choices:
+            return self.allowed()
+        if self.valid and not self.valid(value):
             return self.allowed()
         bounds = ((self.ge, lambda v, b: v >= b), (self.gt, lambda v, b: v > b),
                   (self.le, lambda v, b: v <= b), (self.lt, lambda v, b: v < b))
@@ -53,7 +57,9 @@ class Rule:
         return None
 
     def allowed(self) -> str:
-        if self.choices:
+        if self.says:
+            text = self.says
+        elif self.choices:
             text = "one of " + ", ".join(str(c) for c in self.choices)
         else:
             text = {"int": "an integer", "float": "a number", "str": "a string",
@@ -124,6 +130,14 @@ def infer(value: Any) -> Rule | None:
 
 
 POSITIVE = Int(1)
+
+
+def _is_topology(name: str) -> bool:
+    try:
+        return name == "cpu" or bool(topologies.get(name))
+    except ValueError:
+        return False
+
 RATE = Float(0.0, lt=1.0)  # dropout-like rates
 SCHEDULE_FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay",
                     "decay_every", "cosine_decay", "linear_decay")
@@ -135,7 +149,9 @@ RULES: dict[str, Rule] = {
     "model_dir": Rule("str", null=True),
     "data_dir": Rule("str"),
     "random_seed": Int(0, null=True),
-    "topology": Choice("cpu", *TOPOLOGIES),
+    "topology": Rule("str", valid=_is_topology,
+                     says="cpu, a TPU slice (v4-8 ... v4-512, v5e-1 ... v5e-256, v5p-8 ... "
+                          "v5p-512, v6e-1 ... v6e-256) or N slices over DCN ('2xv5e-256')"),
     "verbose": Rule("bool"),
     "gin_bindings": ListOf(Rule("str")),
     "gin_files": ListOf(Rule("str")),
@@ -155,6 +171,7 @@ RULES: dict[str, Rule] = {
     "model.position_embedding": Choice("relative", "rope"),
     "model.dtype": Choice("float32", "bfloat16"),
     "model.remat_policy": Choice("none", "full", "dots"),
+    "model.attention": Choice("dot", "splash"),
     "model.z_loss": Float(0.0), "model.label_smoothing": RATE,
     "model.num_experts": POSITIVE, "model.num_selected_experts": POSITIVE,
     "model.capacity_factor": Float(gt=0.0), "model.eval_capacity_factor": Float(gt=0.0),
@@ -216,6 +233,8 @@ RULES: dict[str, Rule] = {
     "tune_mesh.remat_policies": ListOf(Choice("none", "dots", "full")),
     "tune_mesh.fsdp": ListOf(Rule("bool")),
     "tune_mesh.per_chip_batch": ListOf(POSITIVE, null=True),
+    "tune_mesh.attentions": ListOf(Choice("dot", "splash"), null=True),
+    "tune_mesh.compile_workers": Int(1, null=True), "tune_mesh.seed": Int(0),
     "tune_mesh.measure_steps": POSITIVE, "tune_mesh.replay_seeds": POSITIVE,
     "tune_mesh.partitioning_name": Rule("str", null=True),
     "tune_mesh.conf_dir": Rule("str", null=True),
