@@ -55,12 +55,24 @@ def cast_floats(tree: Any, dtype: str) -> Any:
                         tree)
 
 
-def save(mgr: ocp.CheckpointManager, step: int, tree: Any) -> None:
-    """Write one checkpoint and wait until it is on disk."""
+def save(mgr: ocp.CheckpointManager, step: int, tree: Any,
+         sidecars: dict[str, dict] | None = None) -> None:
+    """Write one checkpoint and wait until it is on disk. `sidecars` ({file name: JSON-able
+    record}) are written into the step dir beside `state/` before the manifest, which then
+    covers them (a LoRA checkpoint's pointer to its base model)."""
     mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}), force=True)
     mgr.wait_until_finished()
     if jax.process_index() == 0:
-        write_manifest(Path(mgr.directory) / f"{STEP_PREFIX}_{step}")
+        step_dir = Path(mgr.directory) / f"{STEP_PREFIX}_{step}"
+        for name, record in (sidecars or {}).items():
+            (step_dir / name).write_text(json.dumps(record, indent=1, sort_keys=True))
+        write_manifest(step_dir)
+
+
+def read_sidecar(step_dir: str | Path, name: str) -> dict | None:
+    """A sidecar record that `save` wrote into a step dir, or None if there is none."""
+    path = Path(step_dir) / name
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _file_digest(path: Path) -> str:
@@ -72,11 +84,17 @@ def _files(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def file_listing(step_dir: str | Path) -> dict[str, dict]:
+    """{relative path: {sha256, bytes}} of every file under step_dir but the manifest."""
+    step_dir = Path(step_dir)
+    return {str(p.relative_to(step_dir)): {"sha256": _file_digest(p), "bytes": p.stat().st_size}
+            for p in _files(step_dir)}
+
+
 def write_manifest(step_dir: str | Path) -> Path:
     """Write step_dir/MANIFEST: {relative path: {sha256, bytes}} of every file under it."""
     step_dir = Path(step_dir)
-    files = {str(p.relative_to(step_dir)): {"sha256": _file_digest(p), "bytes": p.stat().st_size}
-             for p in _files(step_dir)}
+    files = file_listing(step_dir)
     path = step_dir / MANIFEST
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))

@@ -306,15 +306,15 @@ def train(
                                               progress)
             if mgr and (final or step % (save_cfg.period or total_steps) == 0
                         or step in extra_save_steps):
-                _save(mgr, step, state, save_cfg.dtype)
+                _save(mgr, step, state, save_cfg.dtype, model)
             stop = run_actions(actions.get("TRAIN_EVAL", []), state, metrics_by_task) or stop
             window.reset()  # evaluation and checkpointing are not step time
         elif mgr and step in extra_save_steps:  # T5X's checkpoint_steps: extra steps to save
             t0 = time.perf_counter()
-            _save(mgr, step, state, save_cfg.dtype)
+            _save(mgr, step, state, save_cfg.dtype, model)
             window.t0 += time.perf_counter() - t0  # checkpointing is not step time
     if stop and mgr and step not in checkpoints.steps(model_dir):
-        _save(mgr, step, state, save_cfg.dtype)
+        _save(mgr, step, state, save_cfg.dtype, model)
     if mgr:
         mgr.close()
     if lead:
@@ -324,8 +324,10 @@ def train(
     return step, state
 
 
-def _save(mgr: Any, step: int, state: TrainState, dtype: str) -> None:
-    checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), dtype))
+def _save(mgr: Any, step: int, state: TrainState, dtype: str, model: Any) -> None:
+    # A model may add files to each checkpoint (a LoRA run: the pointer to its base model).
+    sidecars = model.checkpoint_sidecars() if hasattr(model, "checkpoint_sidecars") else None
+    checkpoints.save(mgr, step, checkpoints.cast_floats(state.state_dict(), dtype), sidecars)
 
 
 def global_batch(batch: dict[str, np.ndarray], sharding: Any) -> dict[str, jax.Array]:
