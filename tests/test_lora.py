@@ -82,7 +82,8 @@ def test_qlora_trains_only_adapters_and_its_export_evaluates_like_it(
                                            ).read_text())["files"]
     assert leaves_equal(read_checkpoint(base_run, 2), base_before)  # the base stays as it was
 
-    assert export(capsys, "export", f"run_dir={run}", f"out={out}") == (0, str(out / "checkpoint_2"))
+    code, printed = export(capsys, "export", f"run_dir={run}", f"out={out}")
+    assert (code, printed) == (0, str(out / "checkpoint_2"))
     merged, base_params = flat(read_checkpoint(out, 2)["target"]), flat(base_before["target"])
     assert sorted(merged) == sorted(base_params)
     for name in ("token_embedder/embedding", "logits_dense/kernel", "decoder_norm/scale"):

@@ -80,7 +80,7 @@ def _run(model, partitioner, trainer_cls, single_device: bool, **trainer_kw) -> 
     state = jax.device_put(state, trainer.state_shardings)
     placed = jax.device_put(batch, partitioner.data_sharding())
     with partitioner.activation_context():
-        hlo = trainer._train_step.lower(state, placed).compile().as_text()
+        hlo = trainer.lower_train_step(state, placed).compile().as_text()
     terms = {"losses": [], "aux": [], "router_z": [], "objective": []}
     for _ in range(2):
         state, metrics = trainer.train_step(state, placed)
