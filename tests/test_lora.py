@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +134,52 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture, tmp_path: Path) 
                           (("export", f"run_dir={tmp_path}", "out=b"), "no checkpoint_<step>")]:
         code, line = export(capsys, *args)
         assert code == 2 and message in line and line.startswith("capibara-exp-lora: "), line
+
+
+def test_lora_mistakes_are_errors_naming_the_key(tmp_path: Path) -> None:
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from capibara_exp.nets import Decoder, DecoderConfig
+    from capibara_exp.runtime import models, partitioning
+    from capibara_exp.runtime.lora import LoraModel
+    from tests.test_features import SIZES, make_model
+
+    def lora(**kw):
+        return LoraModel(make_model(), str(tmp_path / "base"), **{
+            "target_axes": [["embed", "joined_kv"]], **kw})
+
+    for kw, message in [({"rank": 0}, r"rank must be >= 1"),
+                        ({"quantize_base": "fp4"}, r"quantize_base='fp4' is not one of"),
+                        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)")]:
+        with pytest.raises(ConfigError, match=message):
+            lora(**kw)
+    listing = (r"layers_0/mlp/wi_0 \(embed, mlp\);.*"
+               r"layers_1/self_attention/value \(embed, joined_kv\)")
+    for kw, message in [
+            ({"target_axes": [["embed", "jointkv"]]}, r"\['jointkv'\] are not logical axis"),
+            ({"target_axes": [["expert", "embed", "expert_mlp"]]}, r"match no projection"),
+            ({"target_modules": ["attn.*"]}, r"'attn\.\*' matches no projection path"),
+            ({"quantize_base": "nf4", "quantize_block_size": 24},
+             r"quantize_block_size=24 does not divide the input size 32 of layers_0/")]:
+        with pytest.raises(ConfigError, match=message) as err:
+            _ = lora(**kw).layout
+        assert "quantize_block_size" in kw or re.search(listing, str(err.value)), err.value
+    # Only the listed kernels take adapters; the base must exist and fit the model.
+    model = lora(target_modules=[r"layers_\d+/self_attention/(query|value)"], target_axes=[])
+    assert model.layout.targets == tuple(f"layers_{i}/self_attention/{m}" for i in (0, 1)
+                                         for m in ("query", "value"))
+    frozen = model.frozen_inputs()
+    assert frozen.axes["layers_0/mlp/wo/kernel"] == PartitionSpec("mlp", "embed")
+    shardings = partitioning.PjitPartitioner().shardings(frozen.axes)
+    with pytest.raises(ConfigError, match=r"base_checkpoint=.*base: no checkpoint_<step>/state"):
+        frozen.load(shardings)
+    other = models.DecoderOnlyModel(Decoder(DecoderConfig(**{**SIZES, "mlp_dim": 32})), None, None)
+    params = other.get_initial_variables(jax.random.PRNGKey(0), 2, 8)["params"]
+    mgr = checkpoints.manager(tmp_path / "base")
+    checkpoints.save(mgr, 3, {"state": {"step": np.int32(3)}, "target": params})
+    mgr.close()
+    with pytest.raises(ConfigError, match=r"does not fit the model \(6 of \d+ parameters differ\); "
+                                          r"first: layers_0/mlp/wi_0/kernel: checkpoint "
+                                          r"\(32, 32\), model \(32, 48\)"):
+        frozen.load(shardings)
