@@ -95,9 +95,10 @@ def frozen_fwd_bwd(model, params, axes, partitioner):
     return step, (flat[first], rest)
 
 
-def run_mode(mode: str, experiment: str, base_dir: Path, steps: int, tpu: str | None) -> dict:
+def build(mode: str, experiment: str, base_dir: Path, tpu: str | None):
+    """(model, dataset config, state, axes) of one mode, from the experiment's config.gin;
+    shapes only for a TPU topology. Mode 'base' writes the checkpoint the LoRA modes read."""
     import jax
-    import numpy as np
 
     from capibara_exp.runtime import checkpoints, train_script
     from capibara_exp.tuning import aot, topology
@@ -115,11 +116,48 @@ def run_mode(mode: str, experiment: str, base_dir: Path, steps: int, tpu: str | 
     else:
         state, axes = train_script.initial_state(model, jax.random.PRNGKey(0),
                                                  data_cfg.batch_size, length)
-    if mode == "base":  # the checkpoint the LoRA modes read
+    if mode == "base":
         mgr = checkpoints.manager(base_dir)
         checkpoints.save(mgr, 1, state.state_dict())
         mgr.close()
+    return bindings, state, axes
+
+
+def fixed_batch(shapes: dict, sharding) -> dict:
+    """A batch of random tokens, one sequence per row, for timing."""
+    import jax
+    import numpy as np
+
+    rows, length = shapes["decoder_target_tokens"].shape
+    tokens = np.random.default_rng(0).integers(3, 259, (rows, length)).astype(np.int32)
+    batch = {"decoder_target_tokens": tokens, "decoder_input_tokens": tokens,
+             "decoder_loss_weights": np.ones_like(tokens),
+             "decoder_segment_ids": np.ones_like(tokens),
+             "decoder_positions": np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)}
+    return jax.device_put({k: batch[k] for k in shapes}, sharding)
+
+
+def median_seconds(one, steps: int) -> float:
+    import jax
+
+    jax.block_until_ready(one())  # compiled, warm
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(one())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_mode(mode: str, experiment: str, base_dir: Path, steps: int, tpu: str | None) -> dict:
+    import jax
+
+    from capibara_exp.runtime import train_script
+
+    bindings, state, axes = build(mode, experiment, base_dir, tpu)
+    if mode == "base":
         return {}
+    model, data_cfg = bindings["model"], bindings["train_dataset_cfg"]
     trainer = train_script.make_trainer(bindings["trainer_cls"], model, bindings["partitioner"],
                                         state, axes, jax.random.PRNGKey(1), data_cfg.batch_size,
                                         None)
@@ -138,10 +176,7 @@ def run_mode(mode: str, experiment: str, base_dir: Path, steps: int, tpu: str | 
     out.update(memory(compiled))
     if tpu:
         return out
-    rng = np.random.default_rng(0)
-    batch = {k: rng.integers(3, 259, v.shape).astype(np.int32) for k, v in shapes.items()}
-    batch.update(decoder_loss_weights=np.ones(shapes["decoder_target_tokens"].shape, np.int32))
-    batch = jax.device_put(batch, part.data_sharding())
+    batch = fixed_batch(shapes, part.data_sharding())
     if mode == "frozen_fwd_bwd":
         def one():
             with part.activation_context():
@@ -153,13 +188,7 @@ def run_mode(mode: str, experiment: str, base_dir: Path, steps: int, tpu: str | 
             nonlocal state
             state, metrics = trainer.train_step(state, batch)
             return metrics
-    jax.block_until_ready(one())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(one())
-        times.append(time.perf_counter() - t0)
-    out.update(step_s=statistics.median(times),
+    out.update(step_s=median_seconds(one, steps),
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return out
 

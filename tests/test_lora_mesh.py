@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.test_mesh import DEVICES, RTOL, _batch, _model
+from tests.test_mesh import DEVICES, RTOL, _batch, _model, worker_report
 
 KERNELS = {"dense": ["layers_0/self_attention/query/kernel", "layers_0/mlp/wo/kernel"],
            "moe": ["layers_0/self_attention/query/kernel", "layers_1/mlp/expert/wi_0"]}
@@ -114,12 +111,7 @@ def worker() -> dict:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "tests.test_lora_mesh"], env=env, text=True,
-                         capture_output=True, cwd=Path(__file__).parent.parent, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return worker_report("tests.test_lora_mesh")
 
 
 @pytest.mark.slow
