@@ -68,7 +68,8 @@ def test_qlora_trains_only_adapters_and_its_export_evaluates_like_it(
         "self_attention/out", "mlp/wi_0", "mlp/wi_1", "mlp/wo")]
     assert sorted(adapters) == sorted(f"{k}_lora_{ab}" for k in kernels for ab in "ab")
     q = "layers_0/self_attention/query/kernel"
-    assert adapters[q + "_lora_a"].shape == (32, 4) and adapters[q + "_lora_b"].shape == (4, 32)
+    mlp = "layers_0/mlp/wo/kernel"  # [64, 32]: A is [rank, in], B [rank, out]
+    assert adapters[mlp + "_lora_a"].shape == (4, 64) and adapters[mlp + "_lora_b"].shape == (4, 32)
     assert np.abs(adapters[q + "_lora_b"]).max() > 0  # trained (B starts at zero)
     # The optimizer state is the adapters' only: every array in it has an adapter's shape.
     shapes = {v.shape for v in adapters.values()}
@@ -90,10 +91,10 @@ def test_qlora_trains_only_adapters_and_its_export_evaluates_like_it(
     for name in ("token_embedder/embedding", "logits_dense/kernel", "decoder_norm/scale"):
         assert np.array_equal(merged[name], base_params[name])  # not quantized, not adapted
     # nf4 with one scale per 16 inputs of each output channel, dequantized, plus the update
-    # alpha / rank * A @ B (conf/lora: alpha 16): computed here with qwix's own functions.
+    # alpha / rank * A^T B (conf/lora: alpha 16): computed here with qwix's own functions.
     quantized = qwix.quantize(base_params[q], "nf4", channelwise_axes=[1], tiled_axes={0: BLOCK})
     want = np.asarray(qwix.dequantize(quantized)) + 4.0 * (
-        adapters[q + "_lora_a"] @ adapters[q + "_lora_b"])
+        adapters[q + "_lora_a"].T @ adapters[q + "_lora_b"])
     np.testing.assert_allclose(merged[q], want, rtol=1e-6, atol=1e-6)
     assert not np.array_equal(merged[q], base_params[q])
 

@@ -4,7 +4,7 @@
 the adapters of its latest checkpoint (or `step=N`) and the base that checkpoint's pointer
 names, checked against the checksum the pointer recorded. Every quantized kernel is
 dequantized to the base's dtype (what the adapted network computed with) and each adapted
-kernel W becomes W + alpha / rank * A @ B. DIR/checkpoint_<step> then holds the merged
+kernel W becomes W + alpha / rank * A^T B. DIR/checkpoint_<step> then holds the merged
 params with a fresh optimizer state, which the base experiment restores under engine=local
 and engine=t5x, to evaluate or train on.
 """

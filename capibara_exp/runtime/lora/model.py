@@ -216,7 +216,7 @@ class LoraModel:
 
     def merged_params(self, adapter_params: Any, base_params: dict[str, Any]) -> dict:
         """The base params (flat, as read) with the adapters merged in: quantized kernels
-        dequantized to the base's dtype, then W + alpha / rank * A @ B on the targets."""
+        dequantized to the base's dtype, then W + alpha / rank * A^T B on the targets."""
         lay = self.layout
         frozen = jax.jit(self._quantized)(base_params)
         dtypes = {k: v.dtype for k, v in lay.base_shapes.items()}
