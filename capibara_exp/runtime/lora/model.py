@@ -106,16 +106,15 @@ class LoraModel:
         full = jax.eval_shape(lambda: _init_variables(network, cfg, rng, *_SHAPE_TOKENS))
         flat = traverse_util.flatten_dict(dict(full["params"]), sep="/",
                                           is_leaf=lambda _, x: quantize.is_wrapped(x))
-        missing = [p for p in chosen if targets.projections(base_vars["params_axes"])[p].param
-                   + adapters.SUFFIX_A not in flat]
+        projections = targets.projections(base_vars["params_axes"])
+        missing = [p for p in chosen if projections[p].param + adapters.SUFFIX_A not in flat]
         if missing:
             raise ConfigError(f"{_WHERE}: projection(s) {missing} take no adapter (only "
                               "nets.Dense kernels and expert kernels do)")
         adapter_axes = {k: v for k, v in _flat(full["params_axes"]).items()
                         if adapters.is_adapter(k.removesuffix("_axes"))}
-        stacked = {k: next((i for i, n in enumerate(v) if n != targets.LAYERS_AXIS), len(v))
-                   for k, v in names.items()}
-        return Layout(base_shapes=_flat(base_vars["params"]), base_axes=names, stacked=stacked,
+        return Layout(base_shapes=_flat(base_vars["params"]), base_axes=names,
+                      stacked={k: targets.stacked(v) for k, v in names.items()},
                       targets=chosen, network=network,
                       templates={k: v for k, v in flat.items() if quantize.is_wrapped(v)},
                       adapter_shapes={k: v for k, v in flat.items() if adapters.is_adapter(k)},

@@ -47,17 +47,22 @@ def axis_names(params_axes: Mapping) -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in traverse_util.flatten_dict(names, sep="/").items()}
 
 
+def stacked(names: tuple[str, ...]) -> int:
+    """How many leading scanned 'layers' axes a parameter's axis names have."""
+    return next((i for i, n in enumerate(names) if n != LAYERS_AXIS), len(names))
+
+
 def projections(params_axes: Mapping) -> dict[str, Projection]:
     """The network's projections by path, from its 'params_axes' collection."""
     found = {}
     for param, names in axis_names(params_axes).items():
-        stacked = next((i for i, n in enumerate(names) if n != LAYERS_AXIS), len(names))
-        axes = names[stacked:]
+        stacked_axes = stacked(names)
+        axes = names[stacked_axes:]
         parent, leaf = param.rsplit("/", 1) if "/" in param else ("", param)
         if leaf == "kernel" and len(axes) == 2:
-            found[parent] = Projection(parent, param, parent, axes, stacked)
+            found[parent] = Projection(parent, param, parent, axes, stacked_axes)
         elif len(axes) == 3 and axes[0] == EXPERT_AXIS:
-            found[param] = Projection(param, param, parent, axes, stacked)
+            found[param] = Projection(param, param, parent, axes, stacked_axes)
     return dict(sorted(found.items()))
 
 
