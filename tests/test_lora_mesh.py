@@ -97,7 +97,12 @@ def worker() -> dict:
                      ["mlp", "embed"]]
     experts = [["embed", "joined_kv"], ["expert", "embed", "expert_mlp"],
                ["expert", "expert_mlp", "embed"]]
-    report = {}
+    # The constant check's control: a program that does capture a 32 x 32 kernel.
+    import numpy as np
+
+    kernel = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32)
+    captured = jax.jit(lambda x: x @ kernel).lower(np.ones((4, 32), np.float32)).compile()
+    report = {"control_constant": _largest_constant(captured.as_text())}
     for single in (True, False):
         dense = _lora(_model(False), tmp / "dense", attention_mlp)
         report[f"dense_{single}"] = _run(dense, partitioning.PjitPartitioner(num_partitions=2),
@@ -129,6 +134,7 @@ def test_qlora_base_is_sharded_like_the_kernels_and_trains_as_on_one_device(
         assert got["quantized"]["layers_1/mlp/expert/wi_0"][1] == "P('expert', None, 'model')"
     # An argument of the step (its bytes are in the step's arguments), never a constant.
     assert got["argument_bytes"] > got["frozen_bytes_per_device"] > 0
+    assert report["control_constant"] == 32 * 32  # the check sees a captured kernel
     assert got["largest_constant"] < 64  # no kernel (>= 32 x 32) is baked into the program
     assert got["losses"] == pytest.approx(want["losses"], rel=RTOL)
     assert got["losses"][0] != got["losses"][1]  # the second step sees trained adapters
