@@ -18,7 +18,8 @@
 
 Goals, printed with PASS/FAIL: QLoRA's base <= 30% of the bf16 full fine-tune's parameters
 + optimizer state (moe_e2b_base on v5e); LoRA step time <= 1.1x the frozen forward+backward
-(each CPU model); QLoRA eval loss within 2% of LoRA's.
+(each CPU model; in wall time and in CPU time, the worse of the two counts, since a shared
+machine distorts wall time); QLoRA eval loss within 2% of LoRA's.
 """
 
 from __future__ import annotations
@@ -279,9 +280,12 @@ def report_cpu(cpu: dict, args) -> None:
                   f"{r['median_step_s'] * 1e3:10.2f} {r['cpu_s'] * 1e3:7.1f} {state} "
                   f"{mib(r.get('base_bytes', 0))} {mib(r['step_bytes'])}     "
                   f"{mib(r['peak_rss_bytes'])}")
+        # On a shared machine either clock can be distorted: wall time by other jobs, CPU time
+        # by threads waiting busily; the verdict takes the worse of the two ratios.
         ratio = modes["lora"]["step_s"] / ref
-        print(f"GOAL LoRA step <= 1.1 x frozen forward+backward: {ratio:.3f}  "
-              f"{verdict(ratio <= 1.1)}")
+        cpu_ratio = modes["lora"]["cpu_s"] / modes["frozen_fwd_bwd"]["cpu_s"]
+        print(f"GOAL LoRA step <= 1.1 x frozen forward+backward: {ratio:.3f} wall, "
+              f"{cpu_ratio:.3f} CPU time  {verdict(max(ratio, cpu_ratio) <= 1.1)}")
         share = modes["qlora"]["base_bytes"] / modes["full"]["state_bytes"]
         print(f"     QLoRA base / full fine-tune params+optimizer: {share:.1%} (f32 compute; "
               "int4 codes take a byte each on the CPU)")
