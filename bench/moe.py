@@ -86,7 +86,7 @@ class Runner:
              "decoder_loss_weights": np.ones_like(tokens, np.float32)},
             partitioner.data_sharding())
         with partitioner.activation_context():
-            lowered = self.trainer._train_step.lower(self.state, self.batch)
+            lowered = self.trainer.lower_train_step(self.state, self.batch)
             cost = lowered.compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         params = self.state.params

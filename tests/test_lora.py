@@ -1,117 +1,186 @@
-"""LoRA: only adapters train and are saved, the base stays bit-identical, the merged export
-is a normal checkpoint that computes what the adapted model computes."""
+"""LoRA and QLoRA through config.gin: only the adapters train and are checkpointed (with a
+pointer to the base and its checksum), a resume is bitwise, the merged export evaluates as
+the adapted model did, and every mistake is an error naming its key."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
+import qwix
 from flax import traverse_util
 
-import gin
-from capibara_exp import gin_bridge
-from capibara_exp.paths import GIN_DIR
-from capibara_exp.runtime import checkpoints, gin_utils, lora, moe
-from capibara_exp.runtime.state import initial_state
-from tests.conftest import compose_config
-from tests.test_features import make_model
-from tests.test_train import TINY, leaves_equal, read_checkpoint, train
-from tests.test_trainer import batch
+from capibara_exp.cli import lora as lora_cli
+from capibara_exp.errors import ConfigError
+from capibara_exp.runtime import checkpoints, integrity
+from tests.test_train import leaves_equal, read_checkpoint, train
 
-COMMON = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
+COMMON = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2",
+          "checkpoint.checkpoints_to_keep=null", "schedule.base_learning_rate=0.05"]
+EVAL_ONLY = 'gin_bindings=["train_script.train.run_eval_before_training = True"]'
+BLOCK = 16  # quantization block: divides the tiny model's kernel inputs (32 and 64)
 
 
-@pytest.mark.slow
-def test_lora_trains_only_adapters_and_merges_into_a_normal_checkpoint(tmp_path: Path,
-                                                                       data_dir) -> None:
-    base_dir, lora_dir, merged_dir = tmp_path / "base", tmp_path / "lora", tmp_path / "merged"
-    train(base_dir, "trainer.train_steps=2", *COMMON)
-    base_before = read_checkpoint(base_dir, 2)
-
-    train(lora_dir, "trainer.train_steps=2", "lora=default", "lora.lora_rank=4",
-          f"lora.lora_base_checkpoint={base_dir}/checkpoint_2", "schedule.base_learning_rate=0.05",
-          *COMMON)
-    model = gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-    saved = read_checkpoint(lora_dir, 2)["target"]
-    flat = traverse_util.flatten_dict(saved, sep="/")
-    assert sorted(flat) == [f"layers_{i}/self_attention/{m}/lora_{ab}"
-                            for i in (0, 1) for m in ("query", "value") for ab in "ab"]
-    assert flat["layers_0/self_attention/query/lora_a"].shape == (32, 4)
-    assert np.abs(flat["layers_0/self_attention/query/lora_b"]).max() > 0  # it trained
-
-    assert leaves_equal(read_checkpoint(base_dir, 2), base_before)  # the base on disk
-    assert leaves_equal(model.frozen_params, base_before["target"])  # the base in training
-
-    out = lora.export_run(lora_dir, merged_dir)
-    merged = read_checkpoint(merged_dir, 2)
-    assert out == merged_dir / "checkpoint_2" and set(merged) == {"state", "target"}
-    m_flat = traverse_util.flatten_dict(merged["target"], sep="/")
-    b_flat = traverse_util.flatten_dict(base_before["target"], sep="/")
-    changed = sorted(k for k in b_flat if not np.array_equal(m_flat[k], b_flat[k]))
-    assert changed == [f"layers_{i}/self_attention/{m}/kernel" for i in (0, 1)
-                       for m in ("query", "value")]
-    q = "layers_0/self_attention/query"
-    np.testing.assert_allclose(
-        m_flat[f"{q}/kernel"],
-        b_flat[f"{q}/kernel"] + model.scale * flat[f"{q}/lora_a"] @ flat[f"{q}/lora_b"],
-        rtol=1e-6, atol=1e-7)
-
-    example = {k: v % 260 for k, v in batch().items()}
-    adapted = model.loss_fn(jax.tree.map(np.asarray, saved), example, None)[0]
-    plain = model.base.loss_fn(merged["target"], example, None)[0]
-    assert adapted != model.base.loss_fn(base_before["target"], example, None)[0]
-    np.testing.assert_allclose(adapted, plain, rtol=2e-5)
-
-    step, _ = train(merged_dir, "trainer.train_steps=3", "trainer.eval_period=1",
-                    "checkpoint.checkpoint_period=1")  # a normal run resumes from it
-    assert step == 3
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory, data_dir) -> Path:
+    """A pretrained tiny dense model: two steps, checkpoint_2."""
+    path = tmp_path_factory.mktemp("lora") / "base"
+    train(path, "trainer.train_steps=2", *COMMON)
+    return path
 
 
-def test_target_patterns_that_match_nothing_name_the_module_paths(tmp_path: Path) -> None:
-    model = lora.LoraModel(base=make_model(), base_checkpoint=str(tmp_path),
-                           target_modules=["attn.*"])
-    params = {"layers_0": {"mlp": {"wo": {"kernel": np.zeros((4, 2))}}}}
-    with pytest.raises(ValueError, match=r"match no 2-D kernel; module paths are: "
-                                         r"\['layers_0/mlp/wo'\]"):
-        model.targets(params)
-    with pytest.raises(FileNotFoundError, match=r"base_checkpoint: no checkpoint in"):
-        _ = model.frozen_params
+def flat(tree) -> dict:
+    return traverse_util.flatten_dict(tree, sep="/")
+
+
+def eval_loss(model_dir: Path, step: int) -> float:
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["split"] == "train_eval" and r["step"] == step][-1]["loss"]
+
+
+def export(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """capibara-exp-lora in this process: (exit status, its one line of output)."""
+    try:
+        lora_cli.main(list(args))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, (out.out or out.err).strip().splitlines()[-1]
 
 
 @pytest.mark.slow
-def test_lora_wraps_the_model_groups_model_a_moe_one_included(tmp_path: Path) -> None:
-    # lora.gin wraps the model group's BASE_MODEL, so experiment=moe_e2b_tiny gets adapters
-    # on its MoeDecoderOnlyModel. Two MoeTrainer steps from gin train only the adapters,
-    # with the MoE losses in the objective; the base, read from a real checkpoint, stays
-    # bit-identical.
-    base_dir = tmp_path / "base"
-    cfg = compose_config([f"model_dir={tmp_path / 'lora'}", "experiment=moe_e2b_tiny", *TINY,
-                          "data=bytes_lm", "lora=default", f"lora.lora_base_checkpoint={base_dir}"])
-    gin_utils.parse(tmp_path / "config.gin", gin_bridge.render(cfg, "local", GIN_DIR))
-    get = lambda name: gin.query_parameter(name).scoped_configurable_fn  # noqa: E731
-    model = get("train_script.train.model")()
-    assert isinstance(model, lora.LoraModel) and isinstance(model.base, moe.MoeDecoderOnlyModel)
-    init = jax.jit(model.base.get_initial_variables, static_argnums=(1, 2))
-    base_params = init(jax.random.PRNGKey(0), 4, 16)["params"]
-    mgr = checkpoints.manager(base_dir)  # T5X's layout: the params are the 'target'
-    checkpoints.save(mgr, 1, {"state": {"step": np.int32(1)}, "target": base_params})
+def test_qlora_trains_only_adapters_and_its_export_evaluates_like_it(
+        tmp_path: Path, base_run: Path, capsys: pytest.CaptureFixture) -> None:
+    base_before = read_checkpoint(base_run, 2)
+    run, out = tmp_path / "qlora", tmp_path / "merged"
+    train(run, "trainer.train_steps=2", "lora=all", "lora.rank=4", "lora.quantize_base=nf4",
+          f"lora.quantize_block_size={BLOCK}", f"lora.base_checkpoint={base_run}", *COMMON)
+
+    tree = read_checkpoint(run, 2)
+    adapters = flat(tree["target"])
+    kernels = [f"layers_{i}/{m}/kernel" for i in (0, 1) for m in (
+        "self_attention/query", "self_attention/key", "self_attention/value",
+        "self_attention/out", "mlp/wi_0", "mlp/wi_1", "mlp/wo")]
+    assert sorted(adapters) == sorted(f"{k}_lora_{ab}" for k in kernels for ab in "ab")
+    q = "layers_0/self_attention/query/kernel"
+    mlp = "layers_0/mlp/wo/kernel"  # [64, 32]: A is [rank, in], B [rank, out]
+    assert adapters[mlp + "_lora_a"].shape == (4, 64) and adapters[mlp + "_lora_b"].shape == (4, 32)
+    assert np.abs(adapters[q + "_lora_b"]).max() > 0  # trained (B starts at zero)
+    # The optimizer state is the adapters' only: every array in it has an adapter's shape.
+    shapes = {v.shape for v in adapters.values()}
+    assert all(np.shape(v) in shapes | {()} for v in flat(tree["state"]["param_states"]).values())
+    pointer = json.loads((run / "checkpoint_2" / "lora_base.json").read_text())
+    manifest = json.loads((base_run / "checkpoint_2" / integrity.MANIFEST).read_text())
+    assert pointer["base_checkpoint"] == str(base_run / "checkpoint_2")
+    assert pointer["manifest_sha256"] == hashlib.sha256(
+        json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+    assert integrity.verify_checkpoint(run / "checkpoint_2") == []  # the pointer is covered
+    assert "lora_base.json" in json.loads((run / "checkpoint_2" / integrity.MANIFEST
+                                           ).read_text())["files"]
+    assert leaves_equal(read_checkpoint(base_run, 2), base_before)  # the base stays as it was
+
+    code, printed = export(capsys, "export", f"run_dir={run}", f"out={out}")
+    assert (code, printed) == (0, str(out / "checkpoint_2"))
+    merged, base_params = flat(read_checkpoint(out, 2)["target"]), flat(base_before["target"])
+    assert sorted(merged) == sorted(base_params)
+    for name in ("token_embedder/embedding", "logits_dense/kernel", "decoder_norm/scale"):
+        assert np.array_equal(merged[name], base_params[name])  # not quantized, not adapted
+    # nf4 with one scale per 16 inputs of each output channel, dequantized, plus the update
+    # alpha / rank * A^T B (conf/lora: alpha 16): computed here with qwix's own functions.
+    quantized = qwix.quantize(base_params[q], "nf4", channelwise_axes=[1], tiled_axes={0: BLOCK})
+    want = np.asarray(qwix.dequantize(quantized)) + 4.0 * (
+        adapters[q + "_lora_a"].T @ adapters[q + "_lora_b"])
+    np.testing.assert_allclose(merged[q], want, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(merged[q], base_params[q])
+
+    # The export is a normal checkpoint: the base experiment evaluates it (T5X's way: total
+    # steps = its step, eval before training) and gets the adapted model's eval loss.
+    step, _ = train(out, "trainer.train_steps=2", EVAL_ONLY, *COMMON)
+    assert step == 2 and checkpoints.steps(out) == [2]
+    assert eval_loss(out, 2) == pytest.approx(eval_loss(run, 2), rel=1e-5)
+    assert eval_loss(run, 2) != pytest.approx(eval_loss(base_run, 2), rel=1e-3)  # it learned
+
+    assert export(capsys, "export", f"run_dir={run}", f"out={out}")[0] == 2  # no overwrite
+    code, line = export(capsys, "export", f"run_dir={base_run}", f"out={tmp_path / 'x'}")
+    assert code == 2 and "not a LoRA model" in line
+
+
+@pytest.mark.slow
+def test_lora_resume_is_bitwise_and_refuses_another_base(tmp_path: Path, base_run: Path) -> None:
+    lora = ["lora=attention", "lora.dropout=0.2", f"lora.base_checkpoint={base_run}", *COMMON]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(straight, "trainer.train_steps=4", *lora)
+    train(stopped, "trainer.train_steps=2", *lora)
+    at_2, final = read_checkpoint(stopped, 2), read_checkpoint(straight, 4)
+    assert not leaves_equal(at_2["target"], final["target"])  # resuming has work to do
+    assert leaves_equal(at_2, read_checkpoint(straight, 2))
+    step, _ = train(stopped, "trainer.train_steps=4", *lora)  # the same command, longer
+    assert step == 4 and leaves_equal(read_checkpoint(stopped, 4), final)
+    with pytest.raises(ConfigError, match=r"checkpoint_4 was trained on .*quantize_base="):
+        train(stopped, "trainer.train_steps=6", "lora.quantize_base=int8",
+              "lora.quantize_block_size=null", *lora)
+
+
+def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    assert export(capsys, "--help")[0] == 0
+    for args, message in [((), "no command"), (("merge",), "unknown command 'merge'"),
+                          (("export", "run_dir=a"), "missing out=..."),
+                          (("export", "run_dir=a", "out=b", "steps=3"), "unknown key 'steps'"),
+                          (("export", "run_dir=a", "out=b", "step=x"), "expected a checkpoint"),
+                          (("export", f"run_dir={tmp_path}", "out=b"), "no checkpoint_<step>")]:
+        code, line = export(capsys, *args)
+        assert code == 2 and message in line and line.startswith("capibara-exp-lora: "), line
+
+
+def test_lora_mistakes_are_errors_naming_the_key(tmp_path: Path) -> None:
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from capibara_exp.nets import Decoder, DecoderConfig
+    from capibara_exp.runtime import models, partitioning
+    from capibara_exp.runtime.lora import LoraModel
+    from tests.test_features import SIZES, make_model
+
+    def lora(**kw):
+        return LoraModel(make_model(), str(tmp_path / "base"), **{
+            "target_axes": [["embed", "joined_kv"]], **kw})
+
+    for kw, message in [({"rank": 0}, r"rank must be >= 1"),
+                        ({"quantize_base": "fp4"}, r"quantize_base='fp4' is not one of"),
+                        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)")]:
+        with pytest.raises(ConfigError, match=message):
+            lora(**kw)
+    listing = (r"layers_0/mlp/wi_0 \(embed, mlp\);.*"
+               r"layers_1/self_attention/value \(embed, joined_kv\)")
+    for kw, message in [
+            ({"target_axes": [["embed", "jointkv"]]}, r"\['jointkv'\] are not logical axis"),
+            ({"target_axes": [["expert", "embed", "expert_mlp"]]}, r"match no projection"),
+            ({"target_modules": ["attn.*"]}, r"'attn\.\*' matches no projection path"),
+            ({"quantize_base": "nf4", "quantize_block_size": 24},
+             r"quantize_block_size=24 does not divide the input size 32 of layers_0/")]:
+        with pytest.raises(ConfigError, match=message) as err:
+            _ = lora(**kw).layout
+        assert "quantize_block_size" in kw or re.search(listing, str(err.value)), err.value
+    # Only the listed kernels take adapters; the base must exist and fit the model.
+    model = lora(target_modules=[r"layers_\d+/self_attention/(query|value)"], target_axes=[])
+    assert model.layout.targets == tuple(f"layers_{i}/self_attention/{m}" for i in (0, 1)
+                                         for m in ("query", "value"))
+    frozen = model.frozen_inputs()
+    assert frozen.axes["layers_0/mlp/wo/kernel"] == PartitionSpec("mlp", "embed")
+    shardings = partitioning.PjitPartitioner().shardings(frozen.axes)
+    with pytest.raises(ConfigError, match=r"base_checkpoint=.*base: no checkpoint_<step>/state"):
+        frozen.load(shardings)
+    other = models.DecoderOnlyModel(Decoder(DecoderConfig(**{**SIZES, "mlp_dim": 32})), None, None)
+    params = other.get_initial_variables(jax.random.PRNGKey(0), 2, 8)["params"]
+    mgr = checkpoints.manager(tmp_path / "base")
+    checkpoints.save(mgr, 3, {"state": {"step": np.int32(3)}, "target": params})
     mgr.close()
-
-    state, axes = initial_state(model, jax.random.PRNGKey(1), 4, 16)
-    partitioner = get("train_script.train.partitioner")()
-    trainer = get("train_script.train.trainer_cls")(
-        model=model, train_state=state, partitioner=partitioner, eval_names=[],
-        summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(2))
-    assert isinstance(trainer, moe.MoeTrainer)
-    example = jax.device_put(batch(), partitioner.data_sharding())
-    state = trainer.prepare_state(state)
-    for _ in range(2):  # the warm-up's first rate is 0
-        state, metrics = trainer.train_step(state, example)
-    flat = traverse_util.flatten_dict(jax.device_get(state.params), sep="/")
-    assert sorted(flat) == [f"layers_{i}/self_attention/{m}/lora_{ab}"
-                            for i in (0, 1) for m in ("query", "value") for ab in "ab"]
-    assert np.abs(flat["layers_1/self_attention/query/lora_b"]).max() > 0
-    assert float(metrics[moe.MEAN + "experts/auxiliary_loss"]) > 0
-    assert leaves_equal(model.frozen_params, base_params)
+    with pytest.raises(ConfigError, match=r"does not fit the model \(6 of \d+ parameters differ\); "
+                                          r"first: layers_0/mlp/wi_0/kernel: checkpoint "
+                                          r"\(32, 32\), model \(32, 48\)"):
+        frozen.load(shardings)

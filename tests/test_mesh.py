@@ -80,7 +80,7 @@ def _run(model, partitioner, trainer_cls, single_device: bool, **trainer_kw) -> 
     state = jax.device_put(state, trainer.state_shardings)
     placed = jax.device_put(batch, partitioner.data_sharding())
     with partitioner.activation_context():
-        hlo = trainer._train_step.lower(state, placed).compile().as_text()
+        hlo = trainer.lower_train_step(state, placed).compile().as_text()
     terms = {"losses": [], "aux": [], "router_z": [], "objective": []}
     for _ in range(2):
         state, metrics = trainer.train_step(state, placed)
@@ -155,14 +155,19 @@ def worker() -> dict:
     return report
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def worker_report(module: str) -> dict:
+    """The JSON report of `python -m <module>` run on DEVICES simulated CPU devices."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
                JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "tests.test_mesh"], env=env, text=True,
+    out = subprocess.run([sys.executable, "-m", module], env=env, text=True,
                          capture_output=True, cwd=Path(__file__).parent.parent, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return worker_report("tests.test_mesh")
 
 
 @pytest.mark.slow

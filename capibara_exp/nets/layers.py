@@ -37,7 +37,9 @@ class Dense(nn.Module):
         kernel = param_with_axes(
             "kernel", init, (x.shape[-1], self.features), jnp.float32, axes=self.axes
         )
-        return jnp.einsum("...d,df->...f", x.astype(self.dtype), kernel.astype(self.dtype))
+        # promote_dtype, Flax's own cast, so a quantized kernel (runtime/lora) stays quantized
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        return jnp.einsum("...d,df->...f", x, kernel)
 
 
 class RMSNorm(nn.Module):

@@ -151,7 +151,16 @@ class ExpertMlp(nn.Module):
             1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
         k = param_with_axes(name, init, (self.num_experts, *shape), jnp.float32,
                             axes=("expert", *axes))
-        return k.astype(self.config.compute_dtype)
+        # promote_dtype, Flax's own cast, so a quantized kernel (runtime/lora) stays quantized
+        (k,) = nn.dtypes.promote_dtype(k, dtype=self.config.compute_dtype)
+        return k
+
+    def project(self, name: str, x_ExGxCxI: jnp.ndarray, features: int,
+                axes: tuple[str, str]) -> jnp.ndarray:
+        """Each expert's tokens times its kernel `name` [E, I, features]. One method call per
+        projection, so that LoRA adapters can be added to it from outside (runtime/lora)."""
+        kernel_ExIxO = self.kernel(name, (x_ExGxCxI.shape[-1], features), axes)
+        return jnp.einsum("egci,eio->egco", x_ExGxCxI, kernel_ExIxO)
 
     @nn.compact
     def __call__(self, x_ExGxCxD: jnp.ndarray, enable_dropout: bool) -> jnp.ndarray:
@@ -160,13 +169,11 @@ class ExpertMlp(nn.Module):
         h_ExGxCxF = None
         for i, act in enumerate(c.mlp_activations):
             name = "wi" if len(c.mlp_activations) == 1 else f"wi_{i}"
-            wi_ExDxF = self.kernel(name, (d, f), ("embed", "expert_mlp"))
-            branch = _ACTIVATIONS[act](jnp.einsum("egcd,edf->egcf", x_ExGxCxD, wi_ExDxF))
+            branch = _ACTIVATIONS[act](self.project(name, x_ExGxCxD, f, ("embed", "expert_mlp")))
             h_ExGxCxF = branch if h_ExGxCxF is None else h_ExGxCxF * branch
         h_ExGxCxF = nn.Dropout(self.dropout_rate)(h_ExGxCxF, deterministic=not enable_dropout)
         h_ExGxCxF = constrain(h_ExGxCxF, BY_EXPERT_HIDDEN)
-        wo_ExFxD = self.kernel("wo", (f, d), ("expert_mlp", "embed"))
-        return jnp.einsum("egcf,efd->egcd", h_ExGxCxF, wo_ExFxD)
+        return self.project("wo", h_ExGxCxF, d, ("expert_mlp", "embed"))
 
 
 class MoeBlock(nn.Module):

@@ -13,6 +13,7 @@ The kind of save (periodic, preemption, ...) goes into Orbax's own step metadata
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -99,6 +100,7 @@ class Checkpointer:
                  async_save: bool = False):
         self.directory = Path(model_dir).absolute()
         self._pending: dict[int, dict] = {}  # committed-to-be steps -> manifest facts
+        self._sidecars: dict[int, dict[str, dict]] = {}  # their extra files
         self._lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
             step_prefix=STEP_PREFIX, max_to_keep=keep, create=True,
@@ -110,9 +112,12 @@ class Checkpointer:
             self.directory, options=options,
             item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True)})
 
-    def save(self, step: int, tree: Any, kind: str = "saved", wait: bool = True) -> Path:
+    def save(self, step: int, tree: Any, kind: str = "saved", wait: bool = True,
+             sidecars: dict[str, dict] | None = None) -> Path:
         """Write checkpoint_<step> (refusing a non-finite tree); with wait=False return once
-        Orbax has the arrays, and the manifest follows when the step is committed."""
+        Orbax has the arrays, and the manifest follows when the step is committed.
+        `sidecars` ({file name: JSON-able record}) go into the step dir once it is committed,
+        before its manifest, which then covers them (a LoRA run's pointer to its base)."""
         if not all_finite(tree):
             where = ", ".join(nonfinite_paths(tree))
             raise NonFiniteState(f"checkpoint_{step} not written: the state holds NaN/Inf "
@@ -120,6 +125,7 @@ class Checkpointer:
         self.wait()  # one save at a time: the previous one commits before this one starts
         with self._lock:
             self._pending[step] = {"step": step, "kind": kind, "finite": True}
+            self._sidecars[step] = dict(sidecars or {})
         self._mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
                        force=True, custom_metadata={KIND_KEY: kind})
         if wait or not self._mgr.is_saving_in_progress():
@@ -135,9 +141,12 @@ class Checkpointer:
             if not (path / integrity.COMMIT_MARKER).is_file():
                 continue
             if jax.process_index() == 0:
+                for name, record in self._sidecars.get(step, {}).items():
+                    (path / name).write_text(json.dumps(record, indent=1, sort_keys=True))
                 integrity.write_manifest(path, **info)
             with self._lock:
                 self._pending.pop(step, None)
+                self._sidecars.pop(step, None)
 
     def wait(self) -> None:
         """Until every save has been committed and has its manifest."""
@@ -155,9 +164,16 @@ def manager(model_dir: str | Path, keep: int | None = None,
     return Checkpointer(model_dir, keep, async_save)
 
 
-def save(mgr: Checkpointer, step: int, tree: Any, kind: str = "saved") -> Path:
+def save(mgr: Checkpointer, step: int, tree: Any, kind: str = "saved",
+         sidecars: dict[str, dict] | None = None) -> Path:
     """Write one checkpoint and wait until it is on disk with its manifest."""
-    return mgr.save(step, tree, kind, wait=True)
+    return mgr.save(step, tree, kind, wait=True, sidecars=sidecars)
+
+
+def read_sidecar(step_path: str | Path, name: str) -> dict | None:
+    """A sidecar record that a save wrote into a step dir, or None if there is none."""
+    path = Path(step_path) / name
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def tree_metadata(step_path: str | Path) -> dict[tuple[str, ...], Any]:

@@ -57,14 +57,18 @@ def _files(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.name.startswith(stem))
 
 
+def file_listing(step_dir: str | Path) -> dict[str, dict]:
+    """{relative path: {digest, bytes}} of every file a manifest of step_dir covers."""
+    step_dir = Path(step_dir)
+    return {str(p.relative_to(step_dir)): {"digest": file_digest(p), "bytes": p.stat().st_size}
+            for p in _files(step_dir)}
+
+
 def write_manifest(step_dir: str | Path, **info: Any) -> Path:
     """Write step_dir/MANIFEST: {relative path: {digest, bytes}} of every file under it, the
     save's facts (`info`: kind, finite, repaired, ...) and the manifest's own checksum."""
-    step_dir = Path(step_dir)
-    files = {str(p.relative_to(step_dir)): {"digest": file_digest(p), "bytes": p.stat().st_size}
-             for p in _files(step_dir)}
-    body = {"algorithm": ALGORITHM, "files": files, "info": info}
-    path = step_dir / MANIFEST
+    body = {"algorithm": ALGORITHM, "files": file_listing(step_dir), "info": info}
+    path = Path(step_dir) / MANIFEST
     # Unique per writer: a checksum action and the saver's callback may write one at once.
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({**body, "checksum": _text_digest(body, ALGORITHM)}, indent=1,

@@ -236,8 +236,9 @@ class MoeTrainer(Trainer):
                          train_state_axes, rng, learning_rate_fn, num_microbatches,
                          weight_metrics_computer, **local_features)
 
-    def _grads(self, params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
-        grads, sums = super()._grads(params, batch, rng)
+    def _grads(self, params: Any, batch: dict, rng: jax.Array, frozen: Any = None
+               ) -> tuple[Any, dict]:
+        grads, sums = super()._grads(params, batch, rng, frozen)
         scale = float(self.num_expert_partitions)
         grads = jax.tree_util.tree_map_with_path(
             lambda p, g: g * scale if self._is_expert(_path_name(p)) else g, grads)

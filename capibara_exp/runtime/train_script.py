@@ -341,9 +341,11 @@ def _save(run: _Run, state: TrainState, step: int, kind: str, wait: bool = False
     and training stops naming the newest finite checkpoint."""
     run.guard.check_now()
     t0 = time.perf_counter()
+    model = run.args["model"]  # it may add files to each checkpoint (LoRA: its base's pointer)
+    sidecars = model.checkpoint_sidecars() if hasattr(model, "checkpoint_sidecars") else None
     try:
         run.saver.save(step, checkpoints.cast_floats(state.state_dict(), run.save_cfg.dtype),
-                       kind, wait=wait)
+                       kind, wait=wait, sidecars=sidecars)
     except checkpoints.NonFiniteState as err:
         run.guard.diverged(str(err))
     run.saved.add(step)

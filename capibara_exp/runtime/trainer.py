@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,6 +60,19 @@ class TrainState:
                              "with ema_decay set resumes only from a checkpoint with EMA")
         return self.replace(step=jnp.asarray(tree["state"]["step"]), params=tree["target"],
                             opt_state=opt_state, ema_params=tree.get("ema_target"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenInputs:
+    """Arrays a model reads in every step but never trains (a LoRA run's base model). The
+    train and eval steps take them as an argument placed by their logical axes, like the
+    state: sharded over the mesh, never constants baked into the compiled program, and not
+    part of the checkpointed state. A model offers them with `frozen_inputs()` and takes
+    them back as `loss_fn(params, batch, dropout_rng, frozen=...)`."""
+
+    shapes: Any  # a tree of jax.ShapeDtypeStruct
+    axes: Any  # the same tree, of PartitionSpecs of logical axis names
+    load: Callable[[Any], Any]  # the tree of NamedShardings -> the arrays, placed on them
 
 
 class BaseAction(abc.ABC):
@@ -144,6 +159,12 @@ class Trainer:
             raise ValueError("trainer.Trainer.max_consecutive_skips must be >= 1, "
                              f"got {max_consecutive_skips}")
         partitioner.check_divisible(train_state.params, train_state_axes.params)  # before compile
+        self.frozen = model.frozen_inputs() if hasattr(model, "frozen_inputs") else None
+        frozen_shardings = None
+        if self.frozen is not None:
+            partitioner.check_divisible(self.frozen.shapes, self.frozen.axes)
+            frozen_shardings = partitioner.shardings(self.frozen.axes)
+        self._frozen_shardings, self._frozen_values = frozen_shardings, None
         del eval_names, summary_dir, train_state  # T5X's signature; the loop writes summaries
         self.model = model
         self.partitioner = partitioner
@@ -160,16 +181,30 @@ class Trainer:
         state_shardings = partitioner.shardings(train_state_axes)
         data, replicated = partitioner.data_sharding(), partitioner.replicated()
         self.state_shardings = state_shardings
-        self._train_step = jax.jit(self._step, in_shardings=(state_shardings, data),
+        self._train_step = jax.jit(self._step,
+                                   in_shardings=(state_shardings, frozen_shardings, data),
                                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-        self._eval_step = jax.jit(self._eval, in_shardings=(state_shardings.params, data),
+        self._eval_step = jax.jit(self._eval,
+                                  in_shardings=(state_shardings.params, frozen_shardings, data),
                                   out_shardings=replicated)
 
     def prepare_state(self, state: TrainState) -> TrainState:
         """The state this trainer steps: with EMA weights (a copy of params) when it keeps them."""
         if self.ema_decay is not None and state.ema_params is None:
             state = state.replace(ema_params=jax.tree.map(jnp.array, state.params))
+        self.frozen_values()  # read now: a bad base checkpoint fails before any data is read
         return jax.device_put(state, self.state_shardings)
+
+    def frozen_values(self) -> Any:
+        """The model's frozen inputs on the mesh (read once), or None for a model without."""
+        if self.frozen is not None and self._frozen_values is None:
+            self._frozen_values = self.frozen.load(self._frozen_shardings)
+        return self._frozen_values
+
+    def _loss_fn(self, frozen: Any) -> Callable:
+        if frozen is None:
+            return self.model.loss_fn
+        return functools.partial(self.model.loss_fn, frozen=frozen)
 
     def check_batch_size(self, batch_size: int) -> None:
         from capibara_exp.meshes import check_batch  # the one mesh rule (imported here only to
@@ -177,8 +212,9 @@ class Trainer:
 
         check_batch(batch_size, self.num_microbatches, self.partitioner.data_size)
 
-    def _grads(self, params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
-        grad_fn = jax.value_and_grad(self.model.loss_fn, has_aux=True)
+    def _grads(self, params: Any, batch: dict, rng: jax.Array, frozen: Any = None
+               ) -> tuple[Any, dict]:
+        grad_fn = jax.value_and_grad(self._loss_fn(frozen), has_aux=True)
         if self.num_microbatches == 1:
             (_, sums), grads = grad_fn(params, batch, rng)
             return grads, sums
@@ -197,9 +233,9 @@ class Trainer:
                                         (micro, jnp.arange(self.num_microbatches)))
         return grads, sums
 
-    def _step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def _step(self, state: TrainState, frozen: Any, batch: dict) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(self._rng, state.step)
-        grads, sums = self._grads(state.params, batch, rng)
+        grads, sums = self._grads(state.params, batch, rng, frozen)
         updates, opt_state = self._tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -213,8 +249,8 @@ class Trainer:
             new, metrics = _skip_if_nonfinite(state, new, metrics)
         return new, metrics
 
-    def _eval(self, params: Any, batch: dict) -> dict:
-        return self.model.loss_fn(params, batch, None)[1]
+    def _eval(self, params: Any, frozen: Any, batch: dict) -> dict:
+        return self._loss_fn(frozen)(params, batch, None)[1]
 
     def train_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         # The mesh and axis rules in force when jit traces make the nets' constraints real.
@@ -222,7 +258,7 @@ class Trainer:
         # would be constants of the step, and a sweep's trials could not share it.
         learning_rate = self._learning_rate(state.step)
         with self.partitioner.activation_context():
-            state, metrics = self._train_step(state, batch)
+            state, metrics = self._train_step(state, self.frozen_values(), batch)
         return state, dict(metrics, learning_rate=learning_rate)
 
     def lower_train_step(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
@@ -230,14 +266,15 @@ class Trainer:
         train_step would compile it: for ahead-of-time compiles on a target topology."""
         if self.ema_decay is not None and state.ema_params is None:
             state = state.replace(ema_params=state.params)
+        frozen = None if self.frozen is None else self.frozen.shapes
         with self.partitioner.activation_context():
-            return self._train_step.lower(state, batch)
+            return self._train_step.lower(state, frozen, batch)
 
     def eval_step(self, state: TrainState, batch: dict) -> dict:
         """Metric sums of one batch, with the EMA weights where the trainer keeps them."""
         params = state.params if state.ema_params is None else state.ema_params
         with self.partitioner.activation_context():
-            return self._eval_step(params, batch)
+            return self._eval_step(params, self.frozen_values(), batch)
 
 
 def _skip_if_nonfinite(old: TrainState, new: TrainState, metrics: dict
