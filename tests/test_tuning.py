@@ -278,8 +278,8 @@ def test_tune_mesh_errors(tmp_path):
                               text=True, timeout=300)
 
     out = run("topology=v9-1")  # refused when the command line is checked, before the planner
-    assert out.returncode == 2 and "topology=v9-1 (set by the command line): expected one of " \
-        "cpu, v5e-4" in out.stderr and not (tmp_path / "plan").exists()
+    assert out.returncode == 2 and "topology=v9-1 (set by the command line): expected cpu, " \
+        "a TPU slice (v4-8 ... v4-512, v5e-1" in out.stderr and not (tmp_path / "plan").exists()
     out = run("topology=v5e-4", "tune_mesh.measure=true")
     assert out.returncode == 2 and "not attached here" in out.stderr
     out = run("topology=v5e-4", "tune_mesh.model_partitions=[3]")
