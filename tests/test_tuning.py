@@ -124,7 +124,7 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
     def study():
         return optuna.create_study(study_name="s", storage=storage, load_if_exists=True,
                                    direction="maximize",
-                                   sampler=search.make_sampler("tpe", 0, 40))
+                                   sampler=search.mesh_sampler("tpe", 0, 40))
 
     fresh = search.Cache(None)
     def records(cand):
@@ -166,7 +166,7 @@ def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
         pooled = search.Cache(tmp_path / "pooled.jsonl")
         study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'pooled.db'}",
                                     direction="maximize",
-                                    sampler=search.make_sampler("tpe", 1, 30))
+                                    sampler=search.mesh_sampler("tpe", 1, 30))
         got = search.optimize(cands, pooled, slow, 30, study, workers=3)
     assert search.told(study) == 30 and 0 < len(got) <= 30  # invalid combinations yield none
     assert len(submitted) == len(set(submitted)) == len(pooled.results)
