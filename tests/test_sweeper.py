@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
+from capibara_exp import optuna_study
 from capibara_exp.cli.common import register_resolvers
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR
@@ -183,13 +184,14 @@ def test_extending_a_study_never_repeats_a_finished_trials_parameters(tmp_path: 
     again = [t.params["x"] for t in study.run(settings(n_trials=3), quadratic,
                                                tmp_path / "b").trials]
     assert again == before  # deterministic for a seed
-    assert study.sampler_seed(0, 0, 0) != study.sampler_seed(0, 3, 0) != study.sampler_seed(0, 3, 1)
+    seed = optuna_study.sampler_seed
+    assert seed(0, 0, 0) != seed(0, 3, 0) != seed(0, 3, 1)
 
 
 def test_a_sweep_reports_each_trial_its_summary_and_a_no_op_rerun(tmp_path: Path) -> None:
     cfg = settings(n_trials=5, pruner="median", params={"x": "interval(0, 6)"},
                    storage=str(tmp_path / "study.journal"))
-    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"]))
+    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"])).study
     for x in (0.3, 0.35, 5.0, 0.32, 6.0):  # two good, then a bad one the median pruner stops
         s.enqueue_trial({"x": x})
     lines: list[str] = []
@@ -306,7 +308,7 @@ def test_a_trial_of_a_killed_sweep_is_marked_failed_and_the_sweep_goes_on(tmp_pa
         check=True,
     )
     url = study.storage_url(None, tmp_path)
-    s = study.open_study(settings(), url, space.parse(["x=interval(0, 1)"]))
+    s = study.open_study(settings(), url, space.parse(["x=interval(0, 1)"])).study
     orphan = s.ask({"x": od.FloatDistribution(0, 1)})
     orphan.set_user_attr("host", os.uname().nodename)
     orphan.set_user_attr("pid", int(dead.stdout))  # that process has exited
@@ -371,11 +373,11 @@ def test_a_dead_machines_trial_is_failed_once_its_heartbeat_is_stale(tmp_path: P
     cfg = settings(n_trials=3, heartbeat_interval=1, grace_period=2)
     url = study.storage_url(None, tmp_path)
     x = space.parse(["x=interval(0, 1)"])
-    s = study.open_study(cfg, url, x)
-    dead = study._ask(s, x)
+    opened = study.open_study(cfg, url, x)
+    dead = study._ask(opened, x)
     dead.set_user_attr("host", "another-machine")
     dead.set_user_attr("pid", os.getpid())  # alive here: only the heartbeat can tell
-    s._storage.record_heartbeat(dead._trial_id)  # its machine's last heartbeat
+    opened.storage.record_heartbeat(opened.trial_id(dead.number))  # its machine's last one
     failed_during_job: list[int] = []
 
     def job(overrides, number):
@@ -397,8 +399,7 @@ def test_a_trial_failed_by_another_worker_while_it_ran_stays_failed(
     def job(overrides, number):
         if number == 0:  # what a worker that found this trial's heartbeat stale does
             other = study.open_study(cfg, cfg.storage, study.search_space(cfg, ()))
-            trial_id = other._storage.get_trial_id_from_study_id_trial_number(other._study_id, 0)
-            other._storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            other.storage.set_trial_state_values(other.trial_id(0), TrialState.FAIL)
         return quadratic(overrides, number)
 
     s = study.run(cfg, job, tmp_path)  # no error telling a finished trial: the sweep goes on
@@ -450,7 +451,7 @@ def test_every_pruner_stops_bad_trials_which_keep_their_last_value(
                    params={"x": "interval(0, 6)"},
                    storage=str(tmp_path / "study.journal"))  # a file: quicker to open than SQLite
     xs = [0.3, 0.35, 2.0, 0.32, 3.0, 4.0, 5.0, 6.0]  # two good trials first, then mostly bad
-    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"]))
+    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"])).study
     for x in xs:
         s.enqueue_trial({"x": x})
     s = study.run(cfg, curve_job, tmp_path)
@@ -631,7 +632,9 @@ def test_every_sampler_drives_a_study(tmp_path: Path, sampler: str) -> None:
         return
     assert len({t.params["x"] for t in s.trials}) == 5
     if sampler != "random":  # its model proposes the next trial's values together
-        assert set(study._ask(s, study.search_space(cfg, ())).relative_params) == {"x", "y"}
+        xy = study.search_space(cfg, ())
+        asked = study._ask(study.open_study(cfg, cfg.storage, xy), xy)
+        assert set(asked.relative_params) == {"x", "y"}
 
 
 def test_sampler_and_pruner_options_are_set_on_the_command_line() -> None:
@@ -639,7 +642,7 @@ def test_sampler_and_pruner_options_are_set_on_the_command_line() -> None:
                     "hydra.sweeper.pruner_options={n_warmup_steps: 40}",
                     "hydra.sweeper.sampler_options={n_startup_trials: 3}"], hydra=True)
     cfg = study.SweepSettings(**sweeper_settings(cfg.hydra.sweeper))
-    pruner = study.make_pruner(cfg.pruner, cfg.pruner_options)
+    pruner = optuna_study.make_pruner(cfg.pruner, cfg.pruner_options, key=study.PRUNER_KEY)
     assert pruner._n_warmup_steps == 40
     assert cfg.sampler_options == {"n_startup_trials": 3}
 

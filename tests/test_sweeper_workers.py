@@ -16,6 +16,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from capibara_exp import optuna_study
 from capibara_exp.sweeping import study, workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def run_workers(url: str, tmp_path: Path, n: int = 2) -> list[tuple[str, int]]:
 
 
 def assert_no_duplicate_or_lost_trial(url: str, ran: list[tuple[str, int]]) -> None:
-    s = optuna.load_study(study_name="shared", storage=study.make_storage(url))
+    s = optuna.load_study(study_name="shared", storage=optuna_study.open_storage(url))
     done = [t for t in s.trials if study.NOT_RUN not in t.user_attrs]
     assert sorted(t.number for t in done) == sorted(n for _, n in ran)  # each ran trial told
     assert Counter(n for _, n in ran).most_common(1)[0][1] == 1  # no trial ran twice
@@ -102,7 +103,7 @@ def test_a_sweep_killed_mid_trial_resumes_without_losing_or_rerunning_trials(
     work(url, 0, str(log))  # the same command again
     ran = [int(line.split()[1]) for line in log.read_text().splitlines()]
     assert len(ran) == len(set(ran))  # no trial ran twice
-    s = optuna.load_study(study_name="shared", storage=study.make_storage(url))
+    s = optuna.load_study(study_name="shared", storage=optuna_study.open_storage(url))
     assert len(s.trials) == N_TRIALS  # the total is the study's, across both runs
     assert s.trials[killed].state == TrialState.FAIL
     assert s.trials[killed].user_attrs[study.ERROR] == study.ORPHANED
@@ -114,7 +115,7 @@ def test_a_trial_asked_past_n_trials_is_not_run(tmp_path: Path) -> None:
     url = study.storage_url(None, tmp_path)
     settings = study.SweepSettings(study_name="s", n_trials=2, params={"x": "interval(0, 1)"})
     space = study.space_lib.parse(["x=interval(0, 1)"])
-    s = study.open_study(settings, url, space)
+    s = study.open_study(settings, url, space).study
     s.tell(s.ask(space.distributions), 1.0)
     other = s.ask(space.distributions)  # a live worker's trial, RUNNING
     other.set_user_attr("host", socket.gethostname())

@@ -124,7 +124,7 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
     def study():
         return optuna.create_study(study_name="s", storage=storage, load_if_exists=True,
                                    direction="maximize",
-                                   sampler=search.make_sampler("tpe", 0, 40))
+                                   sampler=search.mesh_sampler("tpe", 0, 40))
 
     fresh = search.Cache(None)
     def records(cand):
@@ -139,6 +139,39 @@ def test_search_finds_the_optimum_and_resumes(tmp_path):
     assert search.told(study()) == 20 and more[:len(first)] == first
     found = search.compiles_to_optimum(cands, table, "tpe", [0, 1, 2], max_trials=60)
     assert all(n is not None and 1 <= n <= len(cands) for n in found)
+
+
+def test_a_stopped_planners_running_trial_is_failed_and_the_search_goes_on(tmp_path):
+    """The planner's own study in its output dir: a re-run fails the trial a stopped planner
+    left RUNNING (its compile is gone) and tells trials up to the new n_trials."""
+    from omegaconf import OmegaConf
+    from optuna.trial import TrialState
+
+    from capibara_exp import optuna_study
+    from capibara_exp.tuning import evaluate as evaluate_module
+    from capibara_exp.tuning import plan
+
+    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+                             num_microbatches=[1, 2], remat_policies=["none", "full"],
+                             fsdp=[False, True])
+    table = _table(cands)
+    cfg = OmegaConf.create({"name": "tiny", "topology": "v5e-8", "tune_mesh": {
+        "search": "tpe", "seed": 0, "n_trials": 6, "max_compiles": None}})
+
+    def records(cand):
+        return evaluate_module.done(table[cand].record)
+
+    first, replay = plan.search_space(cfg, cands, search.Cache(None), records, 1, tmp_path)
+    assert replay is None and first
+    opened = optuna_study.load(optuna_study.open_storage(f"sqlite:///{tmp_path / plan.STUDY_DB}"),
+                               "mesh:tiny:v5e-8")
+    stopped = optuna_study.ask(opened.study)  # what a planner killed mid-compile leaves
+    assert opened.trial(stopped.number).state == TrialState.RUNNING
+    cfg.tune_mesh.n_trials = 9
+    plan.search_space(cfg, cands, search.Cache(None), records, 1, tmp_path)
+    states = [t.state for t in opened.study.trials]
+    assert states[stopped.number] == TrialState.FAIL and TrialState.RUNNING not in states
+    assert search.told(opened.study) == 9
 
 
 def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
@@ -166,7 +199,7 @@ def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
         pooled = search.Cache(tmp_path / "pooled.jsonl")
         study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'pooled.db'}",
                                     direction="maximize",
-                                    sampler=search.make_sampler("tpe", 1, 30))
+                                    sampler=search.mesh_sampler("tpe", 1, 30))
         got = search.optimize(cands, pooled, slow, 30, study, workers=3)
     assert search.told(study) == 30 and 0 < len(got) <= 30  # invalid combinations yield none
     assert len(submitted) == len(set(submitted)) == len(pooled.results)

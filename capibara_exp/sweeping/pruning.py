@@ -7,23 +7,24 @@ from typing import Any
 
 import optuna
 
+from capibara_exp import optuna_study
 from capibara_exp.runtime.trainer import BaseAction
-from capibara_exp.sweeping.study import PRUNED_AT, PRUNER_OPTIONS, make_pruner, make_storage
+from capibara_exp.sweeping.study import PRUNED_AT, PRUNER_KEY, PRUNER_OPTIONS
 
 
 class OptunaPruning(BaseAction):
     """After each evaluation: trial.report(metric, step); True (stop) when the pruner says so."""
 
     def __init__(self, storage: str, study_name: str, number: int, metric: str, pruner: str):
-        self.study = optuna.load_study(study_name=study_name, storage=make_storage(storage),
-                                       pruner=make_pruner(pruner))
-        trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(
-            self.study._study_id, number)
-        self.trial = optuna.trial.Trial(self.study, trial_id)
+        opened = optuna_study.load(optuna_study.open_storage(storage), study_name,
+                                   optuna_study.make_pruner(pruner, key=PRUNER_KEY))
+        self.study = opened.study
+        # The trial the sweep asked for and launched this run as (still RUNNING).
+        self.trial = optuna.trial.Trial(self.study, opened.trial_id(number))
         # The sweep's pruner keywords travel with the trial, not in the job's overrides.
-        options = self.study._storage.get_trial(trial_id).user_attrs.get(PRUNER_OPTIONS)
+        options = opened.trial(number).user_attrs.get(PRUNER_OPTIONS)
         if options:
-            self.study.pruner = make_pruner(pruner, options)
+            self.study.pruner = optuna_study.make_pruner(pruner, options, key=PRUNER_KEY)
         self.metric = metric
 
     def run(self, train_state: Any, metrics_by_task: Mapping[str, Mapping[str, float]]) -> bool:

@@ -10,22 +10,20 @@ new trials start.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
 import math
 import os
 import socket
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import optuna
 from optuna.trial import TrialState
 
+from capibara_exp import optuna_study
 from capibara_exp.errors import ConfigError
 from capibara_exp.sweeping import space as space_lib
 
@@ -39,16 +37,13 @@ from capibara_exp.sweeping.storage import (
     STALE,
     fail_orphans,
     fail_stale,
-    heartbeat,
     heartbeat_interval,
-    make_storage,
     storage_url,
 )
 
 __all__ = ["ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "RESULTS", "STALE", "SweepSettings",
-           "counted", "fail_orphans", "fail_stale", "heartbeat", "heartbeat_interval",
-           "make_pruner", "make_sampler", "make_storage", "open_study", "run", "storage_url",
-           "summary", "write_results"]
+           "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "open_study", "run",
+           "storage_url", "summary", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +52,7 @@ PRUNER_OPTIONS = "pruner_options"  # a trial's job rebuilds its sweep's pruner w
 MIN_FINISHED = 5  # finished trials before max_failure_rate applies (fewer if n_trials is less)
 CACHE_KEY = "compilation_cache_dir"
 STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
-# Samplers whose Optuna implementation imports a package on first use: (module, how to get it)
-SAMPLER_PACKAGES = {"cmaes": ("cmaes", "pip install cmaes"),
-                    "gp": ("torch", "pip install 'capibara-exp[gp]' (PyTorch; CPU build will do)")}
+SAMPLER_KEY, PRUNER_KEY = "hydra.sweeper.sampler", "hydra.sweeper.pruner"  # named in errors
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -116,14 +109,6 @@ class SweepSettings:
                               f"got {self.grace_period}")
 
 
-class _AskTellGridSampler(optuna.samplers.GridSampler):
-    """GridSampler for an ask/tell loop: its end-of-grid `study.stop()` only works inside
-    `study.optimize` (and would lose the trial's result); the loop caps trials at the grid."""
-
-    def after_trial(self, study, trial, state, values) -> None:
-        del study, trial, state, values
-
-
 def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
     """Whether every point of the grid has a trial (finished or running)."""
     grid = space.grid()
@@ -131,80 +116,20 @@ def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
     return set(itertools.product(*grid.values())) <= seen
 
 
-def make_sampler(name: str, seed: int | None, space: space_lib.SearchSpace,
-                 multi_objective: bool, options: dict[str, Any] | None = None
-                 ) -> optuna.samplers.BaseSampler:
-    """The named sampler; `options` are more keyword arguments of its Optuna class
-    (hydra.sweeper.sampler_options, e.g. {n_startup_trials: 5})."""
-    kw = {"seed": seed, **(options or {})}
-    samplers: dict[str, Callable[[], optuna.samplers.BaseSampler]] = {
-        "tpe": lambda: optuna.samplers.TPESampler(**{"multivariate": True, **kw}),
-        "random": lambda: optuna.samplers.RandomSampler(**kw),
-        "cmaes": lambda: optuna.samplers.CmaEsSampler(**kw),
-        "gp": lambda: optuna.samplers.GPSampler(**kw),
-        "grid": lambda: _AskTellGridSampler(space.grid(), **kw),
-        "nsgaii": lambda: optuna.samplers.NSGAIISampler(**kw),
-    }
-    if name not in samplers:
-        raise ConfigError(f"hydra.sweeper.sampler: '{name}' is not one of {sorted(samplers)}")
-    if multi_objective and name in ("cmaes",):
-        raise ConfigError(f"hydra.sweeper.sampler: '{name}' is single-objective; use nsgaii, tpe "
-                          "or random for several directions")
-    needs = SAMPLER_PACKAGES.get(name)
-    if needs and importlib.util.find_spec(needs[0]) is None:
-        raise ConfigError(f"hydra.sweeper.sampler={name} needs {needs[0]}, which is not "
-                          f"installed: {needs[1]}")
-    try:
-        return samplers[name]()
-    except (TypeError, ValueError) as err:  # an unknown or bad keyword of the sampler
-        raise ConfigError(f"hydra.sweeper.sampler_options {options} for sampler={name}: "
-                          f"{err}") from err
-
-
-def make_pruner(name: str, options: dict[str, Any] | None = None) -> optuna.pruners.BasePruner:
-    """The named pruner; `options` are more keyword arguments of its Optuna class
-    (hydra.sweeper.pruner_options, e.g. {n_warmup_steps: 40})."""
-    kw = options or {}
-    pruners: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
-        "none": lambda: optuna.pruners.NopPruner(**kw),
-        "median": lambda: optuna.pruners.MedianPruner(
-            **{"n_startup_trials": 2, "n_warmup_steps": 0, **kw}),
-        "percentile": lambda: optuna.pruners.PercentilePruner(
-            **{"percentile": 25.0, "n_startup_trials": 2, **kw}),
-        "successive_halving": lambda: optuna.pruners.SuccessiveHalvingPruner(**kw),
-        "hyperband": lambda: optuna.pruners.HyperbandPruner(**kw),
-    }
-    if name not in pruners:
-        raise ConfigError(f"hydra.sweeper.pruner: '{name}' is not one of {sorted(pruners)}")
-    try:
-        return pruners[name]()
-    except (TypeError, ValueError) as err:  # an unknown or bad keyword of the pruner
-        raise ConfigError(f"hydra.sweeper.pruner_options {options} for pruner={name}: "
-                          f"{err}") from err
-
-
-def open_study(settings: SweepSettings, url: str, space: space_lib.SearchSpace) -> optuna.Study:
-    multi = len(settings.directions) > 1
-    storage = make_storage(url, heartbeat_interval(settings, url), settings.grace_period)
-    study = optuna.create_study(
-        study_name=settings.study_name, storage=storage, load_if_exists=True,
-        directions=settings.directions, pruner=make_pruner(settings.pruner,
-                                                           settings.pruner_options))
-    seed = sampler_seed(settings.seed, len(study.get_trials(deepcopy=False)),
-                        settings.worker_index)
-    study.sampler = make_sampler(settings.sampler, seed, space, multi, settings.sampler_options)
-    return study
-
-
-def sampler_seed(seed: int | None, trials_so_far: int, worker_index: int) -> int | None:
-    """The sampler's seed for this invocation: the configured seed mixed with how many trials
-    the study already holds and the worker's index. A new study's first invocation samples
-    the same points for the same seed; one that continues a study (or another worker)
-    does not replay the points its predecessors sampled, as re-seeding with the bare seed
-    would (trial 0's parameters again)."""
-    if seed is None:
-        return None
-    return int(np.random.SeedSequence([seed, trials_so_far, worker_index]).generate_state(1)[0])
+def open_study(settings: SweepSettings, url: str,
+               space: space_lib.SearchSpace) -> optuna_study.OpenStudy:
+    """The sweep's study on its storage, made if new, with its sampler and pruner."""
+    storage = optuna_study.open_storage(url, heartbeat_interval(settings, url),
+                                        settings.grace_period)
+    pruner = optuna_study.make_pruner(settings.pruner, settings.pruner_options, key=PRUNER_KEY)
+    opened = optuna_study.create_or_load(storage, settings.study_name, settings.directions,
+                                         pruner=pruner)
+    seed = optuna_study.sampler_seed(settings.seed, len(opened.study.get_trials(deepcopy=False)),
+                                     settings.worker_index)
+    opened.study.sampler = optuna_study.make_sampler(
+        settings.sampler, seed, settings.sampler_options, key=SAMPLER_KEY, grid=space.grid,
+        multi_objective=len(settings.directions) > 1)
+    return opened
 
 
 def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
@@ -236,9 +161,10 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
         raise ConfigError("hydra.sweeper.params and the command line define no search dimension "
                           "(use choice(...), range(...), interval(...))")
     url = storage_url(settings.storage, sweep_dir)
-    study = open_study(settings, url, space)
-    fail_orphans(study)
-    fail_stale(study)
+    opened = open_study(settings, url, space)
+    study = opened.study
+    fail_orphans(opened)
+    fail_stale(opened)
     if on_open:
         on_open()
     pruning = settings.pruner != "none" and len(settings.directions) == 1
@@ -252,13 +178,13 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
     while len(counted(study)) < settings.n_trials:
         if settings.sampler == "grid" and grid_done(study, space):
             break  # every point once, never twice
-        fail_stale(study)  # a machine that died while this one ran its last trial
-        trial = _ask(study, space)
+        fail_stale(opened)  # a machine that died while this one ran its last trial
+        trial = _ask(opened, space)
         if _lost_race(study, trial, settings.n_trials):
             break
         overrides = _trial_overrides(study, trial, space, settings, url, pruning, sweep_dir)
-        with heartbeat(study, trial):
-            _run_trial(study, trial, launch, overrides, settings.metrics)
+        with optuna_study.heartbeat(opened, trial.number):
+            _run_trial(opened, trial, launch, overrides, settings.metrics)
         report(outcome(study, trial.number, settings.metrics))
         _check_failure_rate(study, settings.max_failure_rate,
                             min(settings.n_trials, MIN_FINISHED))
@@ -315,25 +241,20 @@ def _lost_race(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     before = [t for t in counted(study) if t.number < trial.number]
     if len(before) < n_trials:
         return False
-    trial.set_user_attr(NOT_RUN, f"the study already had n_trials={n_trials}")
-    study.tell(trial, state=TrialState.FAIL)
+    optuna_study.tell(study, trial, state=TrialState.FAIL,
+                      attrs={NOT_RUN: f"the study already had n_trials={n_trials}"})
     return True
 
 
-def _ask(study: optuna.Study, space: space_lib.SearchSpace) -> optuna.Trial:
-    """study.ask, or a clear error when the space conflicts with the study's earlier trials."""
+def _ask(opened: optuna_study.OpenStudy, space: space_lib.SearchSpace) -> optuna.Trial:
+    """A new trial, or a clear error when the space conflicts with the study's earlier ones."""
+    study = opened.study
     try:
-        with warnings.catch_warnings():
-            # Optuna warns that heartbeats are only recorded inside Study.optimize; this loop
-            # records them itself (heartbeat()), so the warning does not apply here.
-            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be "
-                                    "used with Study.optimize", category=UserWarning)
-            return study.ask(space.distributions)
+        return optuna_study.ask(study, space.distributions)
     except ValueError as err:
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if "pid" not in trial.user_attrs and not trial.params:  # the half-made trial
-                study._storage.set_trial_user_attr(trial._trial_id, ERROR, str(err))
-                study.tell(trial.number, state=TrialState.FAIL)
+                optuna_study.fail(opened, trial.number, {ERROR: str(err)})
         raise ConfigError(f"the search space does not fit study '{study.study_name}': {err} "
                           "(a choice's values cannot change within a study; use a new "
                           "hydra.sweeper.study_name)") from err
@@ -351,28 +272,27 @@ def trial_override(url: str, settings: SweepSettings, number: int) -> str:
             f"metric:{settings.metrics[0]},pruner:{settings.pruner}}}")
 
 
-def _run_trial(study: optuna.Study, trial: optuna.Trial, launch: Launch, overrides: list[str],
-               metrics: Sequence[str]) -> None:
-    error = values = None
+def _run_trial(opened: optuna_study.OpenStudy, trial: optuna.Trial, launch: Launch,
+               overrides: list[str], metrics: Sequence[str]) -> None:
+    study, error, values = opened.study, None, None
     try:
         values = values_of(launch(overrides, trial.number), metrics)
     except Exception as err:  # a failing job is a FAIL trial, never the end of the sweep
         error = f"{type(err).__name__}: {err}"[:2000]
-    frozen = study._storage.get_trial(trial._trial_id)
+    frozen = opened.trial(trial.number)  # as the job and the other workers left it
     if frozen.state.is_finished():  # another worker failed it: its heartbeat came too late
         log.warning("trial %d was failed by another worker while it ran (%s); its result is "
                     "dropped: raise hydra.sweeper.grace_period if heartbeats can be that late",
                     trial.number, frozen.user_attrs.get(ERROR, "no reason recorded"))
     elif error is not None:
-        trial.set_user_attr(ERROR, error)
-        study.tell(trial, state=TrialState.FAIL)
+        optuna_study.tell(study, trial, state=TrialState.FAIL, attrs={ERROR: error})
     elif PRUNED_AT in frozen.user_attrs:
-        study.tell(trial, state=TrialState.PRUNED)
+        optuna_study.tell(study, trial, state=TrialState.PRUNED)
     elif not all(math.isfinite(v) for v in values):
-        trial.set_user_attr(ERROR, f"non-finite objective {values}")
-        study.tell(trial, state=TrialState.FAIL)
+        optuna_study.tell(study, trial, state=TrialState.FAIL,
+                          attrs={ERROR: f"non-finite objective {values}"})
     else:
-        study.tell(trial, values)
+        optuna_study.tell(study, trial, values)
 
 
 def _check_failure_rate(study: optuna.Study, max_rate: float, min_finished: int) -> None:

@@ -156,17 +156,19 @@ def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir
         replay = search.compiles_to_optimum(cands, {r.candidate: r for r in results}, "tpe",
                                             list(range(s.replay_seeds)), max(len(cands) * 3, 30))
         return results, replay
-    import optuna
+    from optuna.trial import TrialState
 
-    study = optuna.create_study(
-        study_name=f"mesh:{cfg.name}:{cfg.topology}", direction="maximize",
-        storage=f"sqlite:///{out_dir / STUDY_DB}", load_if_exists=True,
-        sampler=search.make_sampler(s.search, s.seed, s.n_trials))
-    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+    from capibara_exp import optuna_study
+
+    opened = optuna_study.create_or_load(
+        optuna_study.open_storage(f"sqlite:///{out_dir / STUDY_DB}"),
+        f"mesh:{cfg.name}:{cfg.topology}", ["maximize"],
+        sampler=search.mesh_sampler(s.search, s.seed, s.n_trials))
+    for stale in opened.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         # A trial still running in the storage belonged to a planner that was stopped: its
         # compile is gone (and cached if it finished), so the study should not wait on it.
-        study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
-    return search.optimize(cands, cache, evaluator, s.n_trials, study, s.max_compiles,
+        optuna_study.fail(opened, stale.number)
+    return search.optimize(cands, cache, evaluator, s.n_trials, opened.study, s.max_compiles,
                            workers=workers), None
 
 

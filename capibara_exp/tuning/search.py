@@ -23,8 +23,11 @@ from typing import Any
 
 import optuna
 
+from capibara_exp import optuna_study
+from capibara_exp.errors import ConfigError
 from capibara_exp.tuning.space import REMAT_POLICIES, Candidate
 
+SEARCH_KEY = "tune_mesh.search"  # the config key naming the sampler, for errors
 OBJECTIVE = "est_mfu"  # maximised; with a fixed global batch, the same order as step time
 # Optuna's constraint (> 0: violated) for invalid, out-of-HBM and failed candidates: TPE
 # then prefers regions of feasible ones.
@@ -124,31 +127,31 @@ def _lookup(cands: Sequence[Candidate], parts: dict[str, Any] | None) -> Candida
     return _table(cands).get(tuple(parts[part] for part in PARTS))
 
 
-def make_sampler(name: str, seed: int | None, n_trials: int) -> optuna.samplers.BaseSampler:
-    """TPE over the ordered parts, jointly (multivariate), after a short random start, with
-    more candidates scored per trial than Optuna's default (a mesh space is small and each
-    trial costs a compile, so the sampler may think longer); constant liar keeps a batch of
-    trials asked at once apart."""
-    if name == "tpe":
-        return optuna.samplers.TPESampler(
-            seed=seed, multivariate=True, constant_liar=True, n_ei_candidates=64,
-            n_startup_trials=max(3, min(5, n_trials // 4)))
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    raise ValueError(f"tune_mesh.sampler: '{name}' is not one of ['tpe', 'random']")
+SAMPLERS = ("tpe", "random")
+
+
+def mesh_sampler(name: str, seed: int | None, n_trials: int) -> optuna.samplers.BaseSampler:
+    """The mesh search's sampler (optuna_study.make_sampler): TPE over the ordered parts,
+    jointly (multivariate), after a short random start, with more candidates scored per
+    trial than Optuna's default (a mesh space is small and each trial costs a compile, so
+    the sampler may think longer); constant liar keeps a batch of trials asked at once apart."""
+    if name not in SAMPLERS:  # the parts are indices: only these two sample them as such
+        raise ConfigError(f"{SEARCH_KEY}: '{name}' is not one of {list(SAMPLERS)}")
+    tpe = {"constant_liar": True, "n_ei_candidates": 64,
+           "n_startup_trials": max(3, min(5, n_trials // 4))}
+    return optuna_study.make_sampler(name, seed, tpe if name == "tpe" else {}, key=SEARCH_KEY)
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, result: Result | None) -> None:
     if result is None:  # e.g. microbatches that do not split this mesh's batch shards
         trial.set_constraint(INFEASIBLE, 1.0)
-        trial.set_user_attr("reason", "invalid combination")
-        study.tell(trial, 0.0)
+        optuna_study.tell(study, trial, 0.0, attrs={"reason": "invalid combination"})
         return
     trial.set_constraint(INFEASIBLE, 0.0 if result.feasible else 1.0)
-    trial.set_user_attr("candidate", result.candidate.key)
+    attrs = {"candidate": result.candidate.key}
     if not result.feasible:
-        trial.set_user_attr("reason", result.record.get("reason", ""))
-    study.tell(trial, result.value)
+        attrs["reason"] = result.record.get("reason", "")
+    optuna_study.tell(study, trial, result.value, attrs=attrs)
 
 
 def told(study: optuna.Study) -> int:
@@ -191,7 +194,7 @@ def _trials(cands: Sequence[Candidate], study: optuna.Study,
 
     while True:
         while busy() < workers and more(len(running)):
-            trial = study.ask()
+            trial = optuna_study.ask(study)
             parts = _suggest(trial, space)
             cand = table.get(tuple(parts[p] for p in PARTS))
             if cand is None:
@@ -287,8 +290,9 @@ def compiles_to_optimum(cands: Sequence[Candidate], table: dict[Candidate, Resul
     out: list[int | None] = []
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for seed in seeds:
-        study = optuna.create_study(direction="maximize",
-                                    sampler=make_sampler(sampler, seed, max_trials))
+        study = optuna_study.create_or_load(
+            optuna.storages.InMemoryStorage(), None, ["maximize"],
+            sampler=mesh_sampler(sampler, seed, max_trials)).study
         seen: set[Candidate] = set()
         found = None
         for result in _trials(cands, study, lambda c: _ready(table[c]),  # noqa: B023

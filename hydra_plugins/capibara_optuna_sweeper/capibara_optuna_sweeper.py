@@ -11,6 +11,8 @@ from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
 
+IN_PROCESS = "basic"  # Hydra's launcher that runs each job in this process
+
 
 class CapibaraOptunaSweeper(Sweeper):
     """hydra/sweeper=capibara_optuna: an Optuna study whose trials are Hydra jobs."""
@@ -40,12 +42,11 @@ class CapibaraOptunaSweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
-        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
-        # Hydra's in-process launcher composes the job's config at once, raising what a
-        # check would; a check first (for launchers that compose elsewhere, later) would
-        # compose every trial's config twice.
-        in_process = type(self.launcher) is BasicLauncher
+        # Hydra's in-process launcher (the config group option hydra/launcher=basic, Hydra's
+        # default) composes the job's config at once, raising what a check would; a check
+        # first (for launchers that compose elsewhere, later) would compose every trial's
+        # config twice.
+        in_process = self.config.hydra.runtime.choices.get("hydra/launcher") == IN_PROCESS
 
         def launch(overrides: list[str], number: int) -> Any:
             if not in_process:

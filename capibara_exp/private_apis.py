@@ -1,0 +1,34 @@
+"""Every use of another library's private API in capibara-exp, each with why no public one
+will do. Nothing else may reach into a library's private names: code that needs one calls
+it from here, and tests/test_private_apis.py fails, naming the symbol, when an upgrade of
+the library removes or changes it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optuna
+
+
+class PrivateUse(NamedTuple):
+    module: str  # where the library defines it
+    name: str  # its (dotted) name in that module
+    why: str  # why no public API will do
+
+
+USES = (
+    PrivateUse(
+        "optuna.storages", "RDBStorage._get_stale_trial_ids",
+        "the trials whose heartbeat is older than the grace period, still RUNNING. Optuna's "
+        "public fail_stale_trials (and its heartbeat_stale_trial_callback) marks them FAIL "
+        "first, after which the storage refuses to record on the trial why it failed; the "
+        "sweep's failure rate and its reports tell a dead machine's trial from a failing "
+        "job by that reason."),
+)
+
+
+def stale_trial_ids(storage: optuna.storages.RDBStorage, study_id: int) -> list[int]:
+    """The ids of the study's RUNNING trials whose last heartbeat, by the database's clock,
+    is older than the storage's grace period (see USES)."""
+    return storage._get_stale_trial_ids(study_id)
