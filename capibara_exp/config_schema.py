@@ -34,9 +34,15 @@ class Rule:
     null: bool = False
     valid: Callable[[Any], bool] | None = None  # a test beyond kind and range
     says: str = ""  # what `valid` allows, for the message
+    # The problem with a value in words ("must be ..."), from the table that owns the rule
+    # (consensus/registry.py's parameter checks); None when the value is allowed.
+    explain: Callable[[Any], str | None] | None = None
 
     def problem(self, value: Any) -> str | None:
         """None if the value is allowed, else what is allowed."""
+        if self.explain:
+            found = self.explain(value)
+            return found.removeprefix("must be ") if found else None
         if value is None:
             return None if self.null else self.allowed()
         if not _of_kind(self.kind, value):
@@ -216,11 +222,15 @@ RULES: dict[str, Rule] = {
     "nan_guard.max_consecutive_skips": POSITIVE,
     "curriculum.curriculum_stages": ListOf(MapOf(Rule("any"))),
     "router_supervision.router_supervision_factor": Float(0.0),
-    "lora.lora_base_checkpoint": Rule("str"), "lora.lora_rank": POSITIVE,
-    "lora.lora_alpha": Float(gt=0.0), "lora.lora_dropout": RATE,
-    "lora.lora_target_modules": ListOf(Rule("str")),
+    "lora.base_checkpoint": Rule("str"), "lora.rank": POSITIVE, "lora.alpha": Float(gt=0.0),
+    "lora.dropout": RATE, "lora.quantize_base": Choice("none", "nf4", "int4", "int8"),
+    "lora.quantize_block_size": Int(1, null=True),
+    "lora.target_axes": ListOf(ListOf(Rule("str"))), "lora.target_modules": ListOf(Rule("str")),
+    "monitor.memory_warn_fraction": Float(gt=0.0, le=1.0),
+    "engine.max_restarts": Int(0), "engine.restart_backoff_s": Int(0),
+    "engine.restart_backoff_max_s": Int(0),
     "consensus.template": Rule("str", null=True),
-    "consensus.merge_last_k": POSITIVE, "consensus.merge_num_byzantine": Int(0),
+    "consensus.merge_last_k": POSITIVE, "consensus.merge_params": MapOf(Rule("any"), null=True),
     "consensus.merge_min_pass_fraction": Float(0.0, le=1.0),
     "consensus.merge_max_val_loss_ratio": Float(gt=0.0, null=True),
     "consensus.merge_report_steps": Int(0, null=True),
@@ -242,11 +252,10 @@ RULES: dict[str, Rule] = {
 
 # capibara-exp-merge (conf/merge.yaml) and capibara-exp-data (conf/data_build.yaml).
 MERGE_RULES: dict[str, Rule] = {
+    # The merge methods' own parameters (weights, num_byzantine, ...) take their rules from
+    # consensus/registry.py (merge_param_rule).
     "runs": Rule("any"), "out": Rule("str"), "last_k": Int(1, null=True),
-    "weights": ListOf(Float(0.0), null=True), "num_byzantine": Int(0),
-    "num_selected": Int(1, null=True), "base": Rule("str", null=True),
-    "scale": Float(), "density": Float(gt=0.0, le=1.0), "learn_steps": POSITIVE,
-    "learn_rate": Float(gt=0.0), "eval_config": Rule("str", null=True),
+    "base": Rule("str", null=True), "eval_config": Rule("str", null=True),
     "eval_batches": Int(0, null=True), "report_batches": Int(0, null=True),
     "gate.max_val_loss": Float(null=True), "gate.max_val_loss_ratio": Float(gt=0.0, null=True),
     "gate.max_distance_ratio": Float(gt=0.0, null=True),
@@ -269,15 +278,44 @@ RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUI
 
 
 def merge_method_rule() -> Rule:
-    """consensus.merge_method / merge's `method`: the names consensus.merge registers (JAX is
-    imported for them, so only when a merge is configured)."""
-    from capibara_exp.consensus.merge import METHODS
+    """consensus.merge_method / merge's `method`: the methods consensus/registry.py lists."""
+    from capibara_exp.consensus.registry import METHODS
 
     return Choice(*METHODS)
 
 
+def merge_param_rule(name: str) -> Rule | None:
+    """A merge method's parameter (merge's `weights`, `num_byzantine`, ...): its check in
+    consensus/registry.py; None for a key that is not one."""
+    from capibara_exp.consensus import registry
+
+    check = registry.param_checks().get(name)
+    return Rule("any", explain=check) if check else None
+
+
+def merge_params_rule() -> Rule:
+    """consensus.merge_params: a mapping of the registry's parameters to allowed values."""
+    from capibara_exp.consensus import registry
+
+    def explain(params: Any) -> str | None:
+        checks = registry.param_checks()
+        if params is not None and not isinstance(params, Mapping):
+            return f"must be a mapping of merge parameters or null, got {params!r}"
+        for name, value in (params or {}).items():
+            if name not in checks:
+                return (f"must be a mapping of merge parameters ({', '.join(checks)}), "
+                        f"got {name!r}")
+            found = checks[name](value)
+            if found:
+                return f"must be a mapping whose {name} is {found.removeprefix('must be ')}"
+        return None
+
+    return Rule("map", explain=explain)
+
+
 LAZY_RULES: dict[str, dict[str, Callable[[], Rule]]] = {
-    "config": {"consensus.merge_method": merge_method_rule},
+    "config": {"consensus.merge_method": merge_method_rule,
+               "consensus.merge_params": merge_params_rule},
     "merge": {"method": lambda: Choice(*merge_method_rule().choices, "fedavg")},
 }
 
@@ -287,6 +325,10 @@ def rule_for(config_name: str, key: str, default: Any) -> Rule | None:
     lazy = LAZY_RULES.get(config_name, {}).get(key)
     if lazy:
         return lazy()
+    if config_name == "merge" and "." not in key:
+        rule = merge_param_rule(key)
+        if rule:
+            return rule
     table = RULES_BY_CONFIG.get(config_name, {})
     if key in table:
         return table[key]

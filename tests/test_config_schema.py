@@ -85,3 +85,35 @@ def test_every_shipped_experiment_passes_the_checks(experiment: str | None) -> N
 def test_rules_hold_their_bounds_exactly(rule, good, bad) -> None:
     assert [v for v in good if rule.problem(v)] == []
     assert [v for v in bad if rule.problem(v) is None] == []
+
+
+def test_merge_parameters_are_checked_by_the_registrys_own_checks() -> None:
+    """merge.yaml's method parameters and consensus.merge_params take their rules from
+    consensus/registry.py (one table): what it refuses, the schema refuses, in its words."""
+    from capibara_exp.consensus import registry
+
+    checks = registry.param_checks()
+    cases = {"weights": ([1.0, 0.0], [1.0, float("inf")]), "num_byzantine": (2, -1),
+             "num_selected": (None, 0), "scale": (-0.5, float("nan")), "density": (1.0, 0.0),
+             "learn_steps": (3, 0), "learn_rate": (0.1, 0.0), "per_layer": (False, "yes")}
+    assert sorted(cases) == sorted(checks)  # a new parameter gets a case here
+    for name, (good, bad) in cases.items():
+        rule = config_schema.rule_for("merge", name, None)
+        assert rule.problem(good) is None, name
+        assert rule.problem(bad) == checks[name](bad).removeprefix("must be "), name
+    params = config_schema.rule_for("config", "consensus.merge_params", None)
+    assert params.problem(None) is None and params.problem({"num_byzantine": 1}) is None
+    assert "num_byzantine is an integer >= 0" in params.problem({"num_byzantine": -1})
+    assert "got 'num_byzantin'" in params.problem({"num_byzantin": 1})
+
+
+def test_the_memory_warning_threshold_is_a_conf_key() -> None:
+    from capibara_exp import gin_bridge
+    from capibara_exp.paths import GIN_DIR
+    from tests.conftest import compose_config
+
+    text = gin_bridge.render(compose_config(["monitor=default",
+                                             "monitor.memory_warn_fraction=0.9"]),
+                             "local", GIN_DIR)
+    assert "MEMORY_WARN_FRACTION = 0.9" in text
+    assert "train_script.train.memory_warn_fraction = %MEMORY_WARN_FRACTION" in text

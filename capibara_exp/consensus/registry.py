@@ -117,6 +117,12 @@ def param_names() -> list[str]:
     return [f.name for f in dataclasses.fields(MergeSpec)[1:]]
 
 
+def param_checks() -> dict[str, Callable[[Any], str | None]]:
+    """{parameter: its check, which returns the problem in words or None} (the conf schema
+    checks merge.yaml's keys and consensus.merge_params with these at compose time)."""
+    return {f.name: f.metadata["check"] for f in dataclasses.fields(MergeSpec)[1:]}
+
+
 # ---- solvers: weights over the accepted candidates (or the method's own solution) ---------
 
 @dataclasses.dataclass
