@@ -9,7 +9,7 @@ by --compile: each compile takes 1-4 minutes and 2-3 GB of host memory, one at a
 the estimated MFU with the datasheet constants, the constants fitted on all four points,
 and leave-one-out (fit on three, predict the fourth), against the published MFU. PASS when
 every leave-one-out estimate is within 15% (relative) of the published MFU, and the
-constants the planner ships (tuning/calibration.py FITTED) are the ones this fit gives.
+constants the planner ships (tuning/estimate.py FITTED) are the ones this fit gives.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from capibara_exp import gin_bridge
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import calibration, profile
-from capibara_exp.tuning.estimate import estimate
+from capibara_exp.tuning import profile
+from capibara_exp.tuning.estimate import CALIBRATED, estimate
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
 # memory on HBM, the total memory required for HLO temporaries (27.11G) exceeds available
@@ -59,7 +59,7 @@ def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: flo
     a compiled step's HLO under the calibrated model, tagged with the profiler's version (a
     newer one re-reads it). coords: (x, y, z, slice) of the mesh's devices in order."""
     step = profile.profile(hlo_text, num_devices, coords)
-    est = estimate(step, chip, model_flops, calibration.CALIBRATED)
+    est = estimate(step, chip, model_flops, CALIBRATED)
     return {"flops": step.flops, "hbm_bytes": step.hbm_bytes,
             "collective_bytes": step.collective_bytes,
             "profile_version": profile.PROFILE_VERSION, "step_model": step_model_id(),
@@ -68,7 +68,7 @@ def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: flo
 
 def step_model_id() -> dict[str, float]:
     """The constants estimates were made with: results made with others are re-read."""
-    return dataclasses.asdict(calibration.CALIBRATED)
+    return dataclasses.asdict(CALIBRATED)
 
 
 def mesh_coords(mesh: Any) -> list[list[int]] | None:

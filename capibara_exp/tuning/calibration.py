@@ -27,7 +27,7 @@ from typing import Any
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning import profile
-from capibara_exp.tuning.estimate import StepModel, estimate
+from capibara_exp.tuning.estimate import FITTED, StepModel, estimate
 from capibara_exp.tuning.profile import StepProfile
 
 # The compiled configurations, kept beside the benchmark that fits them (a source checkout).
@@ -49,14 +49,8 @@ PUBLISHED = (
     Published("maxtext_v5e_64b", 0.5990, 118.0),
     Published("maxtext_v5e_128b", 0.5606, 110.0),
 )
-# The constants fitted (bench/calibrate.py prints the fit; a test checks these are it):
-# - mxu_efficiency: the share of bf16 peak a matmul sustains (tiling, pipeline bubbles);
-# - collective_overlap: the share of a synchronous collective hidden behind the compute XLA
-#   schedules around it (asynchronous ones are played as scheduled).
-# The others stay at the datasheet: HBM and ICI at their published bandwidth.
+# The constants fitted here; their shipped values are estimate.FITTED (the planner's model).
 FIT_PARAMETERS = ("mxu_efficiency", "collective_overlap")
-FITTED = {"mxu_efficiency": 0.890, "collective_overlap": 0.473}
-CALIBRATED = dataclasses.replace(StepModel(), **FITTED)
 
 
 def maxtext_flops_per_chip(model: dict, batch_size: int, length: int, chips: int) -> float:
@@ -224,7 +218,7 @@ def report(points: Sequence[Point], chip: Chip) -> tuple[list[str], bool]:
                      f"{point.estimated_mfu(chip, DATASHEET):.1%} | "
                      f"{point.estimated_mfu(chip, fitted):.1%} | {predicted:.1%} | "
                      f"{errors[-1]:+.1%} |")
-    lines += ["", "Constants fitted on all four (tuning/calibration.py FITTED):"]
+    lines += ["", "Constants fitted on all four (shipped as tuning/estimate.py FITTED):"]
     for name in FIT_PARAMETERS:
         loo_values = ", ".join(f"{getattr(m, name):.3f}" for _, m, _ in loo)
         lines.append(f"  {name} = {getattr(fitted, name):.3f} (leave-one-out fits: "

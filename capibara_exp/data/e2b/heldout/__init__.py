@@ -5,7 +5,7 @@ in the contexts of contexts.py (code, SQL DML and DDL, shell, env/INI/YAML setti
 URLs, stdout, stderr, tracebacks, error values). Negatives: text harvested from this
 machine's files (negatives.py) that must come out unchanged. Neither was written from the
 scrubber's patterns. The goals: recall >= 0.99 for every format, and at most 2% of the
-negatives altered; `capibara-exp-data` refuses to build below them and bench/secrets.py
+negatives altered; `capibara-exp-data` refuses to build below them and bench/scrubbing.py
 prints them.
 """
 

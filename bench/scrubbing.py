@@ -12,7 +12,7 @@ alone (its plugins and filters without the project's patterns).
 Goals (the build gate checks the same): recall >= 0.99 for every format, at most 2% of
 the negatives altered, >= 25 formats, >= 300 negatives. Exit status 1 when one fails.
 
-    python bench/secrets.py [--seed 2026] [--per-format 100] [--show N]
+    python bench/scrubbing.py [--seed 2026] [--per-format 100] [--show N]
 """
 
 from __future__ import annotations
