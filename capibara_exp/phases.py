@@ -34,8 +34,11 @@ class _Ticker:
         return time.perf_counter() - self.t0
 
     def _write(self, text: str, end: str) -> None:
-        self.stream.write(text + end)
-        self.stream.flush()
+        try:
+            self.stream.write(text + end)
+            self.stream.flush()
+        except (ValueError, OSError):  # the stream was closed under the run (a caller's
+            self.done.set()  # capture ended, a pipe's reader left): progress is not worth a crash
 
     def _run(self) -> None:
         if self.done.wait(SHOW_AFTER_S):

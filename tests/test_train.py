@@ -12,7 +12,7 @@ import pytest
 
 from capibara_exp import experiment
 from capibara_exp.errors import ConfigError
-from capibara_exp.runtime import actions, checkpoints, gin_utils, train_script
+from capibara_exp.runtime import actions, checkpoints, gin_utils, resume, train_script
 from capibara_exp.runtime.config import (
     DatasetConfig,
     RestoreCheckpointConfig,
@@ -272,15 +272,15 @@ def test_t5x_defaults_and_implemented_values_are_accepted() -> None:
 
 
 def test_restore_latest_starts_from_scratch_without_checkpoints_as_t5x(tmp_path: Path) -> None:
-    state, progress = object(), Progress(1)
-    assert train_script._restore(state, RestoreCheckpointConfig(path=str(tmp_path)), str(tmp_path),
-                                 progress) == (state, 0)
+    state, say = object(), Progress(1).message
+    assert resume.restore(state, RestoreCheckpointConfig(path=str(tmp_path)), str(tmp_path),
+                          say) == (state, 0)
     with pytest.raises(ValueError, match="is not a directory"):
-        train_script._restore(state, RestoreCheckpointConfig(path=str(tmp_path / "nope")),
-                              str(tmp_path), progress)
+        resume.restore(state, RestoreCheckpointConfig(path=str(tmp_path / "nope")),
+                       str(tmp_path), say)
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        train_script._restore(state, RestoreCheckpointConfig(
-            path=str(tmp_path / "weights"), mode="specific"), str(tmp_path), progress)
+        resume.restore(state, RestoreCheckpointConfig(
+            path=str(tmp_path / "weights"), mode="specific"), str(tmp_path), say)
 
 
 def test_the_progress_line_shows_the_data_wait_share() -> None:

@@ -52,10 +52,12 @@ def host_available_bytes() -> float:
 def memory_metrics() -> dict[str, float]:
     """Host RSS (now and peak) and, where the backend reports them, bytes in use, peak and
     limit of each of this process's devices."""
+    rss = float(psutil.Process().memory_info().rss)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {f"{PREFIX}host_rss_bytes": float(psutil.Process().memory_info().rss),
-           f"{PREFIX}host_rss_peak_bytes": float(peak_kib * (1 if sys.platform == "darwin"
-                                                              else 1024)),
+    peak = float(peak_kib * (1 if sys.platform == "darwin" else 1024))
+    # The kernel's high-water mark lags the RSS it counts now (it is folded in lazily), so a
+    # peak read just after can be below it: the peak is at least the RSS seen.
+    out = {f"{PREFIX}host_rss_bytes": rss, f"{PREFIX}host_rss_peak_bytes": max(peak, rss),
            f"{PREFIX}host_limit_bytes": host_limit_bytes()}
     for device in jax.local_devices():
         stats = device.memory_stats() or {}  # None on CPU

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from capibara_exp import phases
 from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.runtime import checkpoints, integrity
 
@@ -183,3 +184,38 @@ def newest_finite(model_dir: str) -> str:
         return (f"no checkpoint in {model_dir} is known to be finite (checkpoint_{found[-1]} "
                 "and older were written without the check)")
     return f"no checkpoint exists in {model_dir}: a re-run starts from scratch"
+
+
+def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None]
+            ) -> tuple[Any, int]:
+    """train's restore phase: the TrainState from the newest checkpoint that verifies (or a
+    specific one; `cfg`: T5X's RestoreCheckpointConfig, None for none) and its step, which
+    is also the data position. Corrupt ones of the run's own model dir are moved aside."""
+    if cfg is None:
+        return state, 0
+    for path in cfg.paths:
+        if cfg.mode == "latest" and not Path(path).is_dir():  # as in T5X
+            raise ValueError(f"utils.RestoreCheckpointConfig.path: {path} is not a directory "
+                             "(mode 'latest' looks for checkpoint_<step> in one)")
+        if not (checkpoints.steps(path) if cfg.mode == "latest" else is_step_dir(path)):
+            continue
+        template = state.state_dict()
+        if cfg.dtype:
+            template = checkpoints.cast_floats(template, cfg.dtype)
+        with phases.phase(f"restoring a checkpoint of {path}"):
+            if cfg.mode == "latest":
+                own = Path(path).absolute() == Path(model_dir).absolute()
+                found = restore_verified(str(path), template, say, own)
+            else:
+                found = restore_specific(Path(path), template)
+        if found:
+            step, tree = found
+            tree = jax.tree.map(lambda r, t: r.astype(t.dtype), tree, state.state_dict())
+            kind = integrity.manifest_info(Path(path) / f"checkpoint_{step}").get("kind")
+            say(f"restored {path}/checkpoint_{step}"
+                + (f" (a {kind} save)" if kind == "preemption" else ""))
+            restored = state.restore_state(tree)
+            return restored, int(jax.device_get(restored.step))
+    if cfg.mode == "specific":
+        raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at {cfg.path}")
+    return state, 0  # as in T5X: mode 'latest' and no checkpoint yet is a start from scratch

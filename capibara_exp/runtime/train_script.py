@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
-from capibara_exp.runtime import checkpoints, inputs, integrity, monitor, resume
+from capibara_exp.runtime import checkpoints, inputs, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
 from capibara_exp.runtime.config import (
@@ -147,7 +147,8 @@ def train(
     _check_arguments(args)
     run, state = _setup(args)
     try:
-        state, start_step = _restore(state, checkpoint_cfg.restore, run.model_dir, run.progress)
+        state, start_step = resume.restore(state, checkpoint_cfg.restore, run.model_dir,
+                                           run.progress.message)
         step, state, stop = _loop(run, state, start_step)
         _finish(run, step, state, stop)
     finally:
@@ -222,39 +223,6 @@ def _window(a: dict[str, Any], state: TrainState, lead: bool, model_dir: str) ->
     peak = run_peak_flops(model_dir, getattr(net_config, "dtype", "float32")) * \
         jax.device_count() if lead else 0.0
     return StepWindow(cfg.batch_size * length, flops, peak)
-
-
-def _restore(state: TrainState, cfg: Any, model_dir: str, progress: Progress
-             ) -> tuple[TrainState, int]:
-    """The newest checkpoint that verifies (or a specific one); its step is also the data
-    position. Corrupt ones of the run's own model dir are moved aside (runtime/resume.py)."""
-    if cfg is None:
-        return state, 0
-    for path in cfg.paths:
-        if cfg.mode == "latest" and not Path(path).is_dir():  # as in T5X
-            raise ValueError(f"utils.RestoreCheckpointConfig.path: {path} is not a directory "
-                             "(mode 'latest' looks for checkpoint_<step> in one)")
-        if not (checkpoints.steps(path) if cfg.mode == "latest" else resume.is_step_dir(path)):
-            continue
-        template = state.state_dict()
-        if cfg.dtype:
-            template = checkpoints.cast_floats(template, cfg.dtype)
-        if cfg.mode == "latest":
-            own = Path(path).absolute() == Path(model_dir).absolute()
-            found = resume.restore_verified(str(path), template, progress.message, own)
-        else:
-            found = resume.restore_specific(Path(path), template)
-        if found:
-            step, tree = found
-            tree = jax.tree.map(lambda r, t: r.astype(t.dtype), tree, state.state_dict())
-            kind = integrity.manifest_info(Path(path) / f"checkpoint_{step}").get("kind")
-            progress.message(f"restored {path}/checkpoint_{step}"
-                             + (f" (a {kind} save)" if kind == "preemption" else ""))
-            restored = state.restore_state(tree)
-            return restored, int(jax.device_get(restored.step))
-    if cfg.mode == "specific":
-        raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at {cfg.path}")
-    return state, 0  # as in T5X: mode 'latest' and no checkpoint yet is a start from scratch
 
 
 def _batches(run: _Run, start_step: int) -> Iterator[dict]:

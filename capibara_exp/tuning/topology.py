@@ -12,6 +12,7 @@ import importlib.util
 import os
 from typing import Any
 
+from capibara_exp.errors import ConfigError
 from capibara_exp.topologies import Topology, libtpu_environment
 
 
@@ -26,7 +27,7 @@ INSTALL_HINT = ("compiling for a TPU topology needs libtpu: `pip install 'capiba
 def devices(topology: Topology) -> list[Any]:
     """The devices of a TPU slice (or of N slices over DCN), in libtpu's order."""
     if not libtpu_installed():
-        raise RuntimeError(INSTALL_HINT)
+        raise ConfigError(INSTALL_HINT)  # the user's install to fix: exit 2, one line
     os.environ.update(libtpu_environment(topology))
     from jax.experimental import topologies
 
