@@ -5,69 +5,17 @@ failure, with its traceback)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import textwrap
 from collections.abc import Iterator
-
-from omegaconf import OmegaConf
 
 from capibara_exp import environment
 from capibara_exp.cli import checks, flags
 from capibara_exp.config_check import Composition
 from capibara_exp.errors import ConfigError
-from capibara_exp.paths import SWEEPS_ROOT
+from capibara_exp.resolvers import register_resolvers
 
 USER_ERROR = 2
 RUN_FAILED = 1
-
-
-def user_cache_dir(name: str) -> str:
-    """<user cache dir>/capibara-exp/<name>: $XDG_CACHE_HOME, else ~/.cache."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(os.path.abspath(root), "capibara-exp", name)
-
-
-def merge_methods() -> str:
-    """The merge methods consensus registers (for capibara-exp-merge --help)."""
-    from capibara_exp.consensus.merge import METHODS
-
-    return ", ".join([*METHODS, "fedavg"])
-
-
-def shipped_sweeps() -> str:
-    """The search spaces in sweeps/ (the config group `sweeps`)."""
-    return ", ".join(sorted(p.stem for p in (SWEEPS_ROOT / "sweeps").glob("*.yaml")))
-
-
-def sweeper_keys() -> str:
-    """The capibara_optuna sweeper's settings, from its YAML file."""
-    import yaml
-
-    from capibara_exp.paths import CONF_DIR
-
-    data = yaml.safe_load((CONF_DIR / "hydra" / "sweeper" / "capibara_optuna.yaml").read_text())
-    keys = [k for k in data if not k.startswith("_")]
-    return textwrap.fill(", ".join(keys), 84, subsequent_indent="  ")
-
-
-RESOLVERS = {
-    "capibara_sweeps": shipped_sweeps,
-    "capibara_sweeper_keys": sweeper_keys,
-    "capibara_merge_methods": merge_methods,
-    "abspath": lambda p: os.path.abspath(os.path.expanduser(p)),
-    "capibara_sweeps_root": lambda: str(SWEEPS_ROOT),
-    "capibara_cache_dir": user_cache_dir,
-    # ${capibara_or:${a},b}: a unless it is null
-    "capibara_or": lambda value, default: default if value is None else value,
-}
-
-
-def register_resolvers() -> None:
-    """OmegaConf resolvers the shipped configs use."""
-    for name, fn in RESOLVERS.items():
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
 
 
 def fail(prog: str, message: str) -> None:

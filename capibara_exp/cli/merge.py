@@ -26,12 +26,6 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from omegaconf import OmegaConf
-
-    from capibara_exp.consensus import registry
-
-    if not OmegaConf.has_resolver("capibara_merge_methods"):  # the help lists the registry
-        OmegaConf.register_new_resolver("capibara_merge_methods", registry.help_text)
     _, _, hydra_argv = checked_argv(PROG, "merge", sys.argv[1:] if argv is None else argv)
     sys.argv = [sys.argv[0], *hydra_argv]
     _app()

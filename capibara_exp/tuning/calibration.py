@@ -119,7 +119,7 @@ def compose(experiment: str, overrides: Sequence[str] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from capibara_exp.cli.common import register_resolvers
+    from capibara_exp.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
