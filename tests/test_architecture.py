@@ -1,0 +1,139 @@
+"""The imports that must never exist (docs/architecture.md), read with the standard library's
+`ast` from every module of the package, lazy imports inside functions included. A rule here
+is the drawing's: change both together."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "capibara_exp"
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "seqio", "t5x", "qwix")
+
+# (the modules a rule covers, the imports they must never make, why)
+NEVER: list[tuple[str, tuple[str, ...], str]] = [
+    ("capibara_exp.errors", ("capibara_exp", *HEAVY), "a leaf every layer raises from"),
+    ("capibara_exp.paths", ("capibara_exp", *HEAVY), "a leaf"),
+    ("capibara_exp.topologies", ("capibara_exp", *HEAVY), "one slice table, launch/ and tuning/"),
+    ("capibara_exp.meshes", ("capibara_exp", *HEAVY), "the one mesh rule, pure arithmetic"),
+    ("capibara_exp.overrides", ("capibara_exp", *HEAVY), "a leaf"),
+    ("capibara_exp.gin_bridge", ("capibara_exp.runtime", "capibara_exp.data", *HEAVY),
+     "conf -> gin is pure: it renders text and never runs what it names"),
+    ("capibara_exp.config_schema", (*HEAVY, "capibara_exp.runtime", "hydra"),
+     "checked before any heavy import (compose time)"),
+    ("capibara_exp.config_check", (*HEAVY, "capibara_exp.runtime"), "compose time"),
+    ("capibara_exp.resolvers", (*HEAVY, "capibara_exp.cli"), "composing needs no CLI"),
+    ("capibara_exp.nets", ("capibara_exp.runtime", "capibara_exp.data", "capibara_exp.tuning",
+                           "capibara_exp.sweeping", "capibara_exp.consensus", "capibara_exp.cli",
+                           "capibara_exp.launch", "capibara_exp.experiment", "gin", "seqio"),
+     "networks are Flax modules: no training, data or config machinery"),
+    ("capibara_exp.data", ("capibara_exp.runtime", "capibara_exp.nets", "capibara_exp.tuning",
+                           "capibara_exp.sweeping", "capibara_exp.consensus", "capibara_exp.cli",
+                           "capibara_exp.launch", "capibara_exp.experiment"),
+     "data feeds the runtime, never the other way"),
+    ("capibara_exp.data.e2b", ("jax", "flax", "optax", "orbax", "t5x", "gin"),
+     "the offline E2B pipeline runs without the training stack"),
+    ("capibara_exp.runtime", ("capibara_exp.cli", "capibara_exp.experiment",
+                              "capibara_exp.sweeping", "capibara_exp.tuning",
+                              "capibara_exp.consensus", "capibara_exp.launch", "hydra"),
+     "the local engine is T5X's train contract: gin in, checkpoints out; callers sit above"),
+    ("capibara_exp.tuning", ("capibara_exp.sweeping", "capibara_exp.cli",
+                             "capibara_exp.consensus", "capibara_exp.experiment"),
+     "the planner shares Optuna through optuna_study, not the sweeper"),
+    ("capibara_exp.sweeping", ("capibara_exp.tuning", "capibara_exp.cli",
+                               "capibara_exp.consensus"), "sweeps and plans are siblings"),
+    ("capibara_exp.consensus", ("capibara_exp.cli", "capibara_exp.sweeping",
+                                "capibara_exp.tuning", "capibara_exp.experiment"),
+     "merging reads runs through their gin bindings (runtime), nothing above"),
+    ("capibara_exp.launch", ("capibara_exp.cli", "capibara_exp.sweeping", "capibara_exp.tuning",
+                             "capibara_exp.consensus"), "launching runs a config.gin"),
+    ("capibara_exp", ("tests", "bench"), "the package never imports its tests or benchmarks"),
+]
+# Only the console scripts (and the sweeper's Hydra plugin, which is one) import cli/.
+CLI_IMPORTERS = ("capibara_exp.cli", "hydra_plugins")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file, at any depth."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+            found.append((node.lineno, base))
+    return found
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+SOURCES = sorted([*PACKAGE.rglob("*.py"), *(ROOT / "hydra_plugins").rglob("*.py")])
+
+
+def test_the_never_imports_do_not_exist() -> None:
+    broken = []
+    for path in SOURCES:
+        name = module_name(path)
+        for line, target in imports(path):
+            for covered, forbidden, why in NEVER:
+                if within(name, covered) and any(within(target, f) for f in forbidden):
+                    broken.append(f"{path.relative_to(ROOT)}:{line} imports {target} "
+                                  f"({covered} never does: {why})")
+            if within(target, "capibara_exp.cli") and \
+                    not any(within(name, c) for c in CLI_IMPORTERS):
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {target} (only the "
+                              "console scripts import cli/)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_rules_read_real_imports() -> None:
+    """The reader sees lazy, relative and from-imports: a rule that could never fire would
+    pass silently, so each kind is checked on the tree as it is."""
+    found = {t for p in SOURCES for _, t in imports(p)}
+    assert "capibara_exp.consensus.registry" in found  # lazy, inside config_schema functions
+    assert "capibara_exp.cli.common.checked_argv" in found  # from-import of a name
+    assert all(not t.startswith(".") for t in found)  # relative imports made absolute
+    for covered, _, _ in NEVER:
+        assert any(within(module_name(p), covered) for p in SOURCES), covered
+
+
+@pytest.mark.parametrize("folder", ["bench", "tests"])
+def test_no_script_shadows_the_standard_library(folder: str) -> None:
+    """`python bench/x.py` puts bench/ first on sys.path: a bench/secrets.py there broke
+    NumPy's import (numpy.random imports `secrets`) in every other bench script."""
+    clash = sorted(p.name for p in (ROOT / folder).glob("*.py")
+                   if p.stem in sys.stdlib_module_names)
+    assert not clash, f"{folder}/ has scripts named like standard modules: {clash}"
+
+
+def test_modules_and_functions_stay_small() -> None:
+    """STYLE.md: modules <= 400 lines, functions <= 60."""
+    big = []
+    for path in SOURCES:
+        text = path.read_text()
+        if text.count("\n") > 400:
+            big.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
+                               f"{length} lines")
+    assert not big, big
