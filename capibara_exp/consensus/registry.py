@@ -33,7 +33,7 @@ def _weights_ok(w: Any) -> str | None:
     if isinstance(w, (str, Mapping)) or not all(_real(x) for x in w):
         return f"must be a list of finite numbers, got {w!r}"
     if any(x < 0 for x in w) or sum(w) <= 0:
-        return f"must be >= 0 with a positive sum, got {list(w)!r}"
+        return f"must be a list of numbers >= 0 with a positive sum, got {list(w)!r}"
     return None
 
 
