@@ -39,7 +39,8 @@ def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
     if algorithm == "blake3":
         if path.stat().st_size == 0:  # an empty file cannot be mapped
             return blake3.blake3().hexdigest()
-        return blake3.blake3().update_mmap(path).hexdigest()
+        # Every core hashes (BLAKE3's tree mode): the save's writer threads are done by now.
+        return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
     if algorithm == "sha256":
         with path.open("rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
