@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from capibara_exp import environment
 from capibara_exp.cli.common import fail, user_errors
 
 PROG = "capibara-exp-lora"
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     step = keys.get("step")
     if step is not None and not step.isdigit():
         fail(PROG, f"step={step}: expected a checkpoint step (an integer)")
+    environment.prepare()  # quiet native logs and the platform choice, before JAX loads
+    environment.import_tensorflow()  # (gin's config imports seqio) without its start-up notices
     with user_errors(PROG):
         from capibara_exp.runtime.lora import export
 

@@ -55,7 +55,12 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
         move_train_eval_events(run_dir)
     if result.returncode:
         raise RunError(f"t5x.train exited with status {result.returncode}; see its output above")
-    return last_train_eval(run_dir)
+    evaluation = last_train_eval(run_dir)
+    if evaluation and "loss" in evaluation:  # the local engine's eval line, for the last one
+        print(f"step {evaluation['step']}: eval loss {evaluation['loss']:.4f}"
+              + (f" accuracy {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else ""),
+              file=sys.stderr, flush=True)
+    return evaluation
 
 
 def resume_bindings(model_dir: Path) -> list[str]:
