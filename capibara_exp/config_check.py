@@ -270,6 +270,16 @@ def _curriculum(v: dict[str, Any]) -> Found:
     return None
 
 
+def _lora_consensus(v: dict[str, Any]) -> Found:
+    # A LoRA checkpoint holds the factors A and B: their mean is not the mean of the updates
+    # A^T B, and its loss needs the frozen base. Merging is done on exports.
+    if "lora.rank" in v and v.get("consensus.template"):
+        return ("consensus.template", "a LoRA run's checkpoints hold adapter factors, which do "
+                "not merge: export them (capibara-exp-lora export) and merge the exports "
+                "with capibara-exp-merge (docs/lora.md)")
+    return None
+
+
 def _merge_weights(v: dict[str, Any]) -> Found:
     if v.get("method") == "weighted" and v.get("weights") is None:
         return "weights", "method=weighted needs one weight per candidate"
@@ -278,6 +288,6 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
     "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _schedule,
-               _consensus, _curriculum),
+               _consensus, _curriculum, _lora_consensus),
     "merge": (_merge_weights,),
 }

@@ -184,3 +184,24 @@ def test_lora_mistakes_are_errors_naming_the_key(tmp_path: Path) -> None:
                                           r"first: layers_0/mlp/wi_0/kernel: checkpoint "
                                           r"\(32, 32\), model \(32, 48\)"):
         frozen.load(shardings)
+
+
+def test_lora_checkpoints_are_not_merged_but_their_exports_are(tmp_path: Path) -> None:
+    """Averaging adapter factors A and B is not averaging their updates: a merge of LoRA
+    checkpoints is refused, at compose time (consensus=...) and by the merge's reader."""
+    from capibara_exp.cli import checks, flags
+    from capibara_exp.consensus import store
+    from capibara_exp.resolvers import register_resolvers
+    from capibara_exp.runtime.lora import base
+
+    register_resolvers()
+    line = flags.parse(["lora=attention", "lora.base_checkpoint=x", "consensus=last_k",
+                        f"model_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="adapter factors, which do not merge"):
+        checks.compose_checked(line, "config")
+    step = tmp_path / "run" / "checkpoint_4"
+    (step / "state").mkdir(parents=True)
+    store.candidate_from_path(step)  # a whole model's checkpoint is a candidate
+    (step / base.POINTER).write_text("{}")
+    with pytest.raises(ValueError, match="export it with `capibara-exp-lora export`"):
+        store.candidate_from_path(step)
