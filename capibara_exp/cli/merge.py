@@ -8,6 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from capibara_exp import environment
 from capibara_exp.cli.common import checked_argv, user_errors
 from capibara_exp.paths import CONF_DIR
 
@@ -26,7 +27,9 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _, _, hydra_argv = checked_argv(PROG, "merge", sys.argv[1:] if argv is None else argv)
+    _, comp, hydra_argv = checked_argv(PROG, "merge", sys.argv[1:] if argv is None else argv)
+    if comp is not None:  # a merge, not --help: TensorFlow (seqio's) without its notices
+        environment.import_tensorflow()
     sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 

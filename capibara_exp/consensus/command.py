@@ -110,8 +110,12 @@ def summary(rep: dict) -> str:
     if "rounds" in rep:  # FedAvg
         eps = f", epsilon {rep['epsilon']:.3g} at delta {rep['delta']}" if rep["epsilon"] else ""
         return (f"{rep['checkpoint']} after {len(rep['rounds'])} rounds (val loss "
-                f"{rep['rounds'][-1]['val_loss']}{eps})")
+                f"{_num(rep['rounds'][-1]['val_loss'])}{eps})")
     loss = rep["held_out_loss"] or rep["val_loss"]
     which = "held-out loss" if rep["held_out_loss"] else "val loss"
-    return (f"{rep['merged_checkpoint']} ({which} {loss['merged']}, best candidate "
-            f"{loss['best_candidate']})")
+    return (f"{rep['merged_checkpoint']} ({which} {_num(loss['merged'])}, best candidate "
+            f"{_num(loss['best_candidate'])})")
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -167,7 +167,7 @@ def plot(path: Path, ranked: Sequence[Result], chip: Chip, title: str) -> None:
         ax.set_ylabel("measured step (ms)")
         ax.set_title("measured vs estimated")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")  # lays out any panel count without a warning
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
