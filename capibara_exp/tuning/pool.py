@@ -40,8 +40,10 @@ _DEVICES: list[Any] = []  # the worker's topology devices, described once
 
 
 def _init(topology_name: str) -> None:
-    from capibara_exp import topologies
+    from capibara_exp import environment, topologies
     from capibara_exp.tuning import topology
+
+    environment.import_tensorflow()  # the candidates' gin imports seqio: without its notices
 
     _DEVICES[:] = topology.devices(topologies.get(topology_name))
 
