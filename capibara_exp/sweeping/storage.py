@@ -52,7 +52,7 @@ def fail_orphans(opened: optuna_study.OpenStudy) -> list[int]:
     host, failed = socket.gethostname(), []
     for trial in opened.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         attrs = trial.user_attrs
-        if (attrs.get("host") == host and not _alive(int(attrs.get("pid", -1)))
+        if (attrs.get("host") == host and "pid" in attrs and not _alive(int(attrs["pid"]))
                 and optuna_study.fail(opened, trial.number, {ERROR: ORPHANED})):
             failed.append(trial.number)
     return failed

@@ -197,8 +197,10 @@ def _trial_overrides(study: optuna.Study, trial: optuna.Trial, space: space_lib.
                      settings: SweepSettings, url: str, pruning: bool,
                      sweep_dir: Path) -> list[str]:
     """The trial's job overrides (with its pruning hook and the shared compile cache)."""
-    trial.set_user_attr("host", socket.gethostname())
+    # pid before host: a peer's orphan check reads a trial with our host as ours, so its pid
+    # must already be there (else the peer takes the live trial for a dead one's).
     trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("host", socket.gethostname())
     overrides = job_overrides(space, trial.params)
     if pruning:
         if settings.pruner_options:
