@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,12 @@ from capibara_exp.paths import CONF_DIR
 # without one), for the runs tests make in this process.
 environment.select_platform()
 
+# libtpu (the test extra's TPU compiler) is published for Linux x86_64 only: elsewhere the
+# ahead-of-time TPU compiles cannot run, and their tests say so.
+LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
+needs_libtpu = pytest.mark.skipif(
+    not LIBTPU_PLATFORM,
+    reason=f"libtpu is published for Linux x86_64 only, not {sys.platform} {platform.machine()}")
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 

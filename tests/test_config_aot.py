@@ -18,9 +18,8 @@ import pytest
 from capibara_exp import topologies
 from capibara_exp.tuning import aot, calibration, profile, topology
 from capibara_exp.tuning.measure import local_chip
-from tests.conftest import EXPERIMENTS, compose_config
+from tests.conftest import EXPERIMENTS, LIBTPU_PLATFORM, compose_config
 
-LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
 CALIBRATION = {p.experiment for p in calibration.PUBLISHED}
 COMPILED = [name for name in EXPERIMENTS if name not in CALIBRATION]
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from capibara_exp import meshes, topologies
 from capibara_exp.tuning import calibration, costs, estimate, hlo, profile, topology
+from tests.conftest import needs_libtpu
 
-LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
-needs_libtpu = pytest.mark.skipif(
-    not LIBTPU_PLATFORM,
-    reason=f"libtpu is published for Linux x86_64 only, not {sys.platform} {platform.machine()}")
 # A chip with round numbers: 100 FLOP/s, 10 B/s of HBM, links of 10 B/s each way, 5 B/s DCN.
 CHIP = topologies.Chip("test", peak_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
                        ici_bytes_per_s=40.0, ici_ports=2, dcn_bytes_per_s=5.0)

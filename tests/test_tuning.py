@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -14,11 +13,7 @@ import pytest
 
 from capibara_exp import topologies
 from capibara_exp.tuning import search, space, topology
-
-LIBTPU_PLATFORM = sys.platform == "linux" and platform.machine() == "x86_64"
-needs_libtpu = pytest.mark.skipif(
-    not LIBTPU_PLATFORM,
-    reason=f"libtpu is published for Linux x86_64 only, not {sys.platform} {platform.machine()}")
+from tests.conftest import needs_libtpu
 
 
 def memory_bounds(overrides: list[str], devices: list, cands: list) -> dict:

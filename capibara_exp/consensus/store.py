@@ -18,7 +18,6 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capibara_exp.runtime import checkpoints
-from capibara_exp.runtime.lora.base import POINTER as LORA_POINTER
 
 LeafPath = tuple[str, ...]
 
@@ -42,7 +41,7 @@ class Candidate:
     def __post_init__(self) -> None:
         # A LoRA run's checkpoint holds adapter factors A and B, whose mean is not the mean
         # of the updates A^T B; its export (capibara-exp-lora export) is a whole model.
-        if (self.step_dir / LORA_POINTER).is_file():
+        if (self.step_dir / checkpoints.LORA_POINTER).is_file():
             raise ValueError(f"{self.step_dir} is a LoRA run's checkpoint (adapter factors, "
                              "which do not merge): export it with `capibara-exp-lora export` "
                              "and merge the exports")

@@ -31,6 +31,8 @@ STEP_PREFIX = "checkpoint"
 ITEM = "state"
 _STEP_DIR_RE = re.compile(rf"^{STEP_PREFIX}_(\d+)$")
 KIND_KEY = "capibara_save_kind"  # in Orbax's custom step metadata
+# A LoRA run's sidecar in each of its checkpoints (runtime/lora/base.py): its base model.
+LORA_POINTER = "lora_base.json"
 
 
 class CheckpointError(RuntimeError):

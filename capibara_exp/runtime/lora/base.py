@@ -23,7 +23,7 @@ from flax import traverse_util
 from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity
 
-POINTER = "lora_base.json"
+POINTER = checkpoints.LORA_POINTER
 # What makes adapters fit a base: its contents and how they were quantized (not its path).
 _IDENTITY = ("manifest_sha256", "quantize_base", "quantize_block_size")
 _WHERE = "lora.LoraModel.base_checkpoint"
