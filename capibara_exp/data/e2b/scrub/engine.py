@@ -1,0 +1,128 @@
+"""Find every secret in a text and redact it; the same for every string of a record.
+
+The text is read through a shadow of the same length (ANSI colour codes blanked, escaped
+quotes and `\\n` escapes read as what they stand for), so what is found in a JSON string
+printed inside a log is redacted where it stands. Lines without a credential cue and
+without a long token are skipped: most lines of an execution log hold neither.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from capibara_exp.data.e2b.scrub import blocks, contexts, forms, formats, keep, syntax, tables
+
+MARK = "<REDACTED:"
+# Values this long are also redacted where they stand again.
+PROPAGATE_CHARS = 8
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
+_ESCAPES = re.compile(r"\\[\"'nrt]")
+_ESCAPED = {'\\"': ' "', "\\'": " '", "\\n": " \n", "\\r": "  ", "\\t": "  "}
+_GATE = re.compile(
+    rf"(?i){contexts.STEMS}|{contexts.AUTH_ERROR.pattern[4:]}|://[^\s/@]*@|identified\s+by"
+    r"|\b(?:mysql\w*|mariadb\w*|sshpass|redis-cli|ldap\w+|sqlcmd|mongosh?|7za?|zip|unzip"
+    r"|openssl|smbclient|htpasswd|curl|wget)\b|-pass(?:in|out)|\s-u\s|authenticated"
+)
+_LONG_RUN = re.compile(r"[A-Za-z0-9_\-+/]{16}")
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9_\-]")
+
+
+def shadow(text: str) -> str:
+    """The text as the detectors read it: same length, same offsets."""
+    if "\x1b" in text:
+        text = _ANSI.sub(lambda m: " " * len(m.group()), text)
+    if "\\" in text:
+        text = _ESCAPES.sub(lambda m: _ESCAPED[m.group()], text)
+    return text
+
+
+def _line_spans(line: str, base: int, code, exclude: frozenset[str]) -> list:
+    def in_code(pos: int) -> bool:
+        return code(base + pos)
+
+    cue = _GATE.search(line) is not None
+    long_run = _LONG_RUN.search(line) is not None
+    found = []
+    if long_run:
+        found += [s for s in formats.spans(line, exclude) if not keep.not_a_secret(line[s[0]:s[1]])]
+        found += contexts.value_first(line, in_code, exclude)
+    if cue:
+        found += contexts.key_first(line, in_code)
+        found += forms.urls(line) + forms.tools(line) + forms.sql(line)
+    return [(base + lo, base + hi, kind) for lo, hi, kind in found]
+
+
+def find(text: str, language: str | None = None, exclude=frozenset(), depth: int = 0) -> list:
+    """(start, end, kind) of every secret found in `text` (code in `language` if given)."""
+    view = shadow(text)
+    code = syntax.in_code(view, language)
+    found = blocks.key_blocks(view) if ("-----" in view or "PuTTY" in view) else []
+    if depth == 0:
+        found += blocks.encoded(view, lambda plain: bool(find(plain, None, exclude, depth + 1)))
+    found += blocks.kubernetes_secrets(view) if "Secret" in view else []
+    if language is None or language.lower() in syntax.SHELLS:
+        found += tables.text_tables(view) if _GATE.search(view) else []
+    found += tables.html_tables(view) if "<t" in view else []
+    found += tables.sql_inserts(view) if "nsert" in view or "NSERT" in view else []
+    base = 0
+    for line in view.split("\n"):
+        if len(line) >= 8:
+            found += _line_spans(line, base, code, exclude)
+        base += len(line) + 1
+    return found
+
+
+def _merge(spans: list) -> list[tuple[int, int, str]]:
+    merged: list[list] = []
+    for start, end, kind in sorted(spans, key=lambda s: (s[0], -s[1])):
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end, kind])
+    return [tuple(s) for s in merged]
+
+
+def _redact(text: str, spans, counts: Counter) -> tuple[str, set]:
+    out, last, values = [], 0, set()
+    for start, end, kind in spans:
+        out += [text[last:start], f"{MARK}{kind}>"]
+        values.add((text[start:end], kind))
+        counts[kind] += 1
+        last = end
+    out.append(text[last:])
+    return "".join(out), values
+
+
+def occurrences(text: str, value: str):
+    """Spans of `value` in text, widened over token characters, not inside a redaction."""
+    at = text.find(value)
+    while at != -1:
+        lo, hi = at, at + len(value)
+        while lo > 0 and _TOKEN_CHARS.match(text[lo - 1]):
+            lo -= 1
+        while hi < len(text) and _TOKEN_CHARS.match(text[hi]):
+            hi += 1
+        if MARK not in text[max(0, lo - len(MARK)) : hi]:
+            yield lo, hi
+        at = text.find(value, at + len(value))
+
+
+def redact_values(text: str, values, counts: Counter) -> str:
+    """Replace known secret values (long enough to be unambiguous) wherever they stand."""
+    spans = [
+        (lo, hi, kind)
+        for value, kind in values
+        if len(value) >= PROPAGATE_CHARS
+        for lo, hi in occurrences(text, value)
+    ]
+    return _redact(text, _merge(spans), counts)[0] if spans else text
+
+
+def scrub_with_values(text: str, language: str | None = None, exclude=frozenset()):
+    """((scrubbed text, counts), the secret values found) for propagating to other fields."""
+    counts: Counter = Counter()
+    spans = _merge(find(text, language, exclude)) if len(text) >= 8 else []
+    scrubbed, values = _redact(text, spans, counts)
+    scrubbed = redact_values(scrubbed, values, counts)
+    return (scrubbed, counts), values
