@@ -9,7 +9,7 @@ import base64
 import binascii
 import re
 
-from capibara_exp.data.e2b.scrub import keep, names
+from capibara_exp.data.e2b.scrub import keep, names, shape
 
 # `-----BEGIN <label with PRIVATE or SECRET>-----` (PEM, OpenSSH, PGP) and SSH2's
 # `---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----`: the label says what the block holds.
@@ -30,6 +30,29 @@ _YAML_MAP = re.compile(r"(?m)^(?P<indent>[ \t]*)(?:data|stringData)\s*:\s*$")
 _YAML_ITEM = re.compile(r"[ \t]+[\w.\-]+\s*:\s*['\"]?(?P<v>[^'\"\n#]+?)['\"]?\s*$")
 _JSON_MAP = re.compile(r"\"(?:data|stringData)\"\s*:\s*\{(?P<body>[^{}]*)\}")
 _JSON_ITEM = re.compile(r"\"[\w.\-]+\"\s*:\s*\"(?P<v>[^\"]+)\"")
+
+
+# `- name: API_TOKEN` then `value: ...` (Kubernetes env, CloudFormation parameters, compose),
+# `{"name": "API_TOKEN", "value": "..."}`, `{"Key": "password", "Value": "..."}`.
+_NAME_VALUE = re.compile(
+    r"(?i)[\"']?(?:name|key|parameterkey|variable|setting)[\"']?\s*[:=]\s*[\"']?(?P<key>[\w.\-]+)[\"']?"
+    r"[ \t]*(?:,[ \t]*|\n[ \t]*-?[ \t]*)[\"']?(?:value|parametervalue|val)[\"']?\s*[:=]\s*"
+    r"(?:\"(?P<dq>[^\"\n]*)\"|'(?P<sq>[^'\n]*)'|(?P<bare>[^\s,}\"']+))"
+)
+
+
+def name_value_pairs(text: str) -> list[tuple[int, int, str]]:
+    """A value whose sibling `name` field names a credential."""
+    out = []
+    for m in _NAME_VALUE.finditer(text):
+        group = next(g for g in ("dq", "sq", "bare") if m.group(g) is not None)
+        key, value = m.group("key"), m.group(group)
+        rule = names.rule(key)
+        if rule not in ("chosen", "generated") or keep.not_a_secret(value, key):
+            continue
+        if rule == "chosen" or shape.generated(value):
+            out.append((m.start(group), m.end(group), "name_value_secret"))
+    return out
 
 
 def key_blocks(text: str) -> list[tuple[int, int, str]]:

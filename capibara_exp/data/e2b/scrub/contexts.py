@@ -21,9 +21,8 @@ from capibara_exp.data.e2b.scrub import keep, names, shape
 
 # Stems a credential name holds (names.rule decides; this only finds candidates fast).
 STEMS = (
-    r"passw|passphrase|passcode|pwd|pass\b|passe\b|secret|token|key|auth|cred|bearer|sig"
-    r"|\bsas\b|\bpat\b|dsn|webhook|cookie|session|login|signin|otp|hmac|licen|jeton|chave"
-    r"|cl[ée]\b|chiave|llave|schl[üu]|sleutel|klucz|nyckel|avain|kennwort|passwort|contrase"
+    r"pass|pwd|secret|token|key|auth|cred|bearer|sig|sas|pat|dsn|webhook|cookie|session"
+    r"|login|signin|otp|hmac|licen|jeton|chave|cl[ée]|chiave|llave|schl[üu]|sleutel|klucz|nyckel|avain|kennwort|passwort|contrase"
     r"|senha|mdp|parola|wachtwoord|has[lł]o|losenord|salasana|jelsz|[sş]ifre|heslo|geslo"
     r"|lozinka|parol|пароль|ключ|токен|密码|密碼|口令|パスワード|비밀번호|암호|令牌|密钥|キー"
     r"|トークン|토큰|geheim|segreto|secreto|clave"
@@ -34,7 +33,7 @@ _BARE = r"(?P<uv>[^\s'\"`,;)}\]<>&|]+)"
 # name [quote] [: type] separator [string prefix] value
 ASSIGN = re.compile(
     rf"(?i)(?<![\w.\-])-{{0,2}}(?P<key>{_NAME})['\"\]`]{{0,2}}\s*"
-    r"(?::\s*[\w\[\]., |<>?]+?\s*)?(?::=|=>|<-|==|=|:)\s*(?:[bruf]{1,2}|@|L)?"
+    r"(?::\s*[\w\[\]., |<>?]+?\s*=(?!=)|:=|=>|<-|==|=|:)\s*(?:[bruf]{1,2}|@|L)?"
     rf"(?:{_QUOTED}|{_BARE})"
 )
 # a flag and its value after a space: `--password hunter2`, `--api-key "..."`
@@ -42,7 +41,11 @@ FLAG = re.compile(rf"(?i)(?<![\w\-])--?(?P<key>{_NAME})[ \t]+(?!-)(?:{_QUOTED}|{
 # an XML element: `<password>...</password>`
 XML = re.compile(rf"(?i)<(?P<key>{_NAME})>(?P<qv>[^<\n]{{4,200}})</(?P=key)>")
 # Candidates for the value-first reading: runs that may be generated.
-CANDIDATE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-+/.~]{12,}[A-Za-z0-9]={0,2}")
+CANDIDATE = re.compile(
+    r"(?<![\w+/=.~%\-])(?:\d{5,12}:)?[\w+/%\-][\w\-+/.~%]{12,}[A-Za-z0-9]={0,2}"
+    r"(?::[\w\-+/.~%]{8,}={0,2})*"
+)
+_URL_START = re.compile(r"[a-z][a-z0-9+.\-]*://", re.I)
 # A line about failed authentication: every generated value on it is suspect.
 AUTH_ERROR = re.compile(
     r"(?i)\b(?:401|403)\b|unauthori[sz]ed|unauthenticated|forbidden|not authenticated"
@@ -74,7 +77,9 @@ _NOT_CUES = frozenset(
     "hash digest checksum crc build version revision rev image blob object tree run job "
     "task event message order user account file path url".split()
 )
-_SEPARATORS = frozenset(" \t'\"`:=,([{<>@|│*+!")
+_SEPARATORS = frozenset(" \t'\"`:=,([]{<>@|│*+!")
+# Type annotations between a name and its value: `apiKey: string = "..."`.
+_TYPES = frozenset("string str String bytes any object Final Optional char var let const val".split())
 _STRING_PREFIXES = frozenset({"b", "r", "u", "f", "rb", "br", "B", "R", "U", "F", "L"})
 _SCHEME = re.compile(r"(?i)^(?:bearer|basic|token|digest|apikey|key)\s+")
 _URL = re.compile(r"(?i)^[a-z][a-z0-9+.\-]*://")
@@ -148,7 +153,7 @@ def left_cue(line: str, start: int) -> str | None:
         name = line[k:j].strip(".-")
         if not name:
             return None
-        if name in _STRING_PREFIXES:
+        if name in _STRING_PREFIXES or (name in _TYPES and ":" in line[max(0, k - 3) : k]):
             i = k
             continue
         if "(" in seps and callee_cue(name):
@@ -184,15 +189,25 @@ def value_first(line: str, in_code, exclude) -> list[tuple[int, int, str]]:
     for m in CANDIDATE.finditer(line):
         value = m.group().rstrip(".")
         lo, hi = m.start(), m.start() + len(value)
+        url = _URL_START.search(line, max(0, lo - 24), lo + 2)
+        url = url if url is not None and lo <= url.end() <= lo + 2 else None
+        if url is not None:  # a URL's path: judged from where the URL starts
+            path = value.find("/")
+            if path == -1:
+                continue
+            lo, value = lo + path, value[path:]
         if in_code(lo) and re.fullmatch(r"[A-Za-z_][\w.]*", value):
             continue  # a name in code, not a literal
         kind = shape.kind(value)
         if kind == "text" or keep.not_a_secret(value) or formats.public(value, exclude):
             continue
-        rule = left_cue(line, lo)
+        at = url.start() if url is not None else lo
+        rule = left_cue(line, at)
         if rule is None and auth_error and not _named_otherwise(line, lo):
             rule = "generated"
-        if rule is None and kind == "token" and _constructor_argument(line, lo):
+        if rule is None and _constructor_argument(line, at) and (
+            kind == "token" or (kind == "uuid" and not shape.UUID.fullmatch(value))
+        ):
             rule = "generated"
         if rule is not None:
             out.append((lo, hi, "cued_token"))

@@ -46,6 +46,7 @@ def _line_spans(line: str, base: int, code, exclude: frozenset[str]) -> list:
     found = []
     if long_run:
         found += [s for s in formats.spans(line, exclude) if not keep.not_a_secret(line[s[0]:s[1]])]
+    if long_run or cue:
         found += contexts.value_first(line, in_code, exclude)
     if cue:
         found += contexts.key_first(line, in_code)
@@ -57,10 +58,11 @@ def find(text: str, language: str | None = None, exclude=frozenset(), depth: int
     """(start, end, kind) of every secret found in `text` (code in `language` if given)."""
     view = shadow(text)
     code = syntax.in_code(view, language)
-    found = blocks.key_blocks(view) if ("-----" in view or "PuTTY" in view) else []
+    found = blocks.key_blocks(view) if ("----" in view or "PuTTY" in view) else []
     if depth == 0:
         found += blocks.encoded(view, lambda plain: bool(find(plain, None, exclude, depth + 1)))
     found += blocks.kubernetes_secrets(view) if "Secret" in view else []
+    found += blocks.name_value_pairs(view) if ("alue" in view or "ALUE" in view) else []
     if language is None or language.lower() in syntax.SHELLS:
         found += tables.text_tables(view) if _GATE.search(view) else []
     found += tables.html_tables(view) if "<t" in view else []

@@ -21,7 +21,7 @@ _TOOL_FLAGS = [
     re.compile(p)
     for p in (
         r"\b(?:mysql|mysqldump|mysqladmin|mariadb|mariadb-dump)\b[^\n|;]*?"
-        r"\s-p(?P<q>['\"]?)(?P<v>[^\s'\"\-][^\s'\"]*)(?P=q)",
+        r"\s-p(?P<q>['\"]?)(?P<v>(?!-)[^\s'\"]+|-[^\s'\"\-][^\s'\"]*)(?P=q)",
         r"\b(?:sshpass[\s'\",]+-p|redis-cli\b[^\n|;]*?[\s'\",]-a|(?:docker|podman|helm|oras)"
         r"(?:\s+registry)?\s+login\b[^\n|;]*?\s(?:-p|--password)|ldap\w+\b[^\n|;]*?\s-w"
         r"|sqlcmd\b[^\n|;]*?\s-P|mongosh?\b[^\n|;]*?\s-p|(?:zip|unzip)\b[^\n|;]*?\s-P"
@@ -59,7 +59,7 @@ def urls(line: str) -> list[tuple[int, int, str]]:
         pw, user = m.group("pw"), m.group("user")
         if pw and not keep.not_a_secret(pw):
             out.append((m.start("pw"), m.end("pw"), "url_password"))
-        elif not pw and user and shape.generated(user) and not keep.not_a_secret(user):
+        if user and shape.generated(user) and not keep.not_a_secret(user):
             out.append((m.start("user"), m.end("user"), "url_token"))
     return out
 

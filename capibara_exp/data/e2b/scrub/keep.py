@@ -11,7 +11,7 @@ import re
 
 from detect_secrets.filters import heuristic
 
-from capibara_exp.data.e2b.scrub import names
+from capibara_exp.data.e2b.scrub import formats, names, shape
 
 # Values that are never the secret itself.
 _LITERALS = frozenset(
@@ -41,10 +41,11 @@ _REFERENCE = re.compile(
     r"|\$\{|\{\{|\{%"  # a template anywhere: `Basic ${btoa(user)}`, `{{ api_key }}`
     r"|^(?:~|\.{1,2})?(?:/[\w.\-]{1,16})+/?$"
     r"|^[\w.\-]+\.(?:txt|json|ya?ml|pem|key|env|cfg|ini|conf|crt|p12|pfx|jks|der|pub)$"
+    r"|^data:\w+/[\w+.\-]+(?:;|$)"  # a data URI (an image, a file) or its MIME type
 )
 # Public halves: SSH public keys, certificates and public-key blocks.
 _PUBLIC = re.compile(
-    r"^(?:ssh-(?:rsa|dss|ed25519)|ecdsa-sha2-nistp\d+|sk-ssh-ed25519@openssh\.com)\s"
+    r"^(?:ssh-(?:rsa|dss|ed25519)|ecdsa-sha2-nistp\d+|sk-ssh-ed25519@openssh\.com)(?:\s|$)"
     r"|-----BEGIN (?:[A-Z0-9]+ )*(?:PUBLIC KEY|CERTIFICATE|CERTIFICATE REQUEST)-----"
 )
 _SCHEME = re.compile(r"(?i)^(?:bearer|basic|token|digest)\s+")
@@ -64,7 +65,7 @@ def not_a_secret(value: str, key: str | None = None) -> bool:
     v = _SCHEME.sub("", value.strip().strip("'\"`"))  # `Bearer xxxx`: the credential is xxxx
     if len(v) < 4 or v.lower() in _LITERALS or v.isdigit() or _TYPE.fullmatch(v):
         return True
-    if _PLACEHOLDER.search(v) or _REFERENCE.search(v) or _PUBLIC.search(v):
+    if _PLACEHOLDER.search(v) or _REFERENCE.search(v) or _PUBLIC.search(v) or formats.public(v):
         return True
     if any(f(v) for f in _FILTERS):
         return True
@@ -82,15 +83,6 @@ def _names_itself(value: str, key: str) -> bool:
     return re.fullmatch(r"[a-z_]+", v) is not None and names.rule(v) is not None
 
 
-def _random_part(value: str) -> bool:
-    """A part (between dots, dashes, underscores) of 8+ chars with upper and lower case
-    letters and digits: generated, not a name a programmer wrote."""
-    return any(
-        len(p) >= 8 and re.search(r"\d", p) and re.search(r"[a-z]", p) and re.search(r"[A-Z]", p)
-        for p in re.split(r"[._\-]", value)
-    )
-
-
 def code_value(value: str, in_code: bool) -> bool:
     """A name, attribute, call or subscript (in code), or an attribute, call or subscript
     (in any text): what an assignment assigns, not a credential. A dotted chain with a
@@ -99,4 +91,4 @@ def code_value(value: str, in_code: bool) -> bool:
         return True  # an expression: `(self.tokens.peek()`, `taken+len(tokens)`
     if (_CODE_VALUE if in_code else _EXPRESSION).fullmatch(value) is None:
         return False
-    return "(" in value or "[" in value or "." not in value or not _random_part(value)
+    return "(" in value or "[" in value or "." not in value or not shape.generated(value)

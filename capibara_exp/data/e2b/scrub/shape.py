@@ -40,6 +40,9 @@ _BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}|[A-Za-z0-9_\-]+={0,2}")
 # Longer base64 is a payload (an image, a file, a pickled object), not a key.
 PAYLOAD_CHARS = 400
 MIN_TOKEN = 16
+# A value is generated when its random-looking characters are at least 1/(1 + this) of
+# its segments' characters (a vendor prefix or a word beside a key does not hide it).
+RANDOM_SHARE = 1.0
 
 
 def _pair_score(pair: str) -> int:
@@ -51,8 +54,8 @@ def _wordlike(seg: str) -> bool:
     parts = [p.lower() for p in _PART.findall(seg) if p.isascii()]
     if sum(len(p) for p in parts if len(p) >= 3) * 2 < len(seg):
         return False
-    if len(_SWITCH.findall(seg)) >= 3:
-        return False  # letters and digits alternating: `lzeige1oez9gons8eeda`
+    if len(_SWITCH.findall(seg)) >= 2:
+        return False  # letters and digits alternating: `5d9plcil`, `lzeige1oez9gons8eeda`
     pairs = [p[i : i + 2] for p in parts for i in range(len(p) - 1)]
     return bool(pairs) and sum(map(_pair_score, pairs)) >= 0
 
@@ -71,7 +74,7 @@ def generated(value: str, min_chars: int = MIN_TOKEN) -> bool:
             word_chars += len(seg)
         else:
             random_chars += len(seg)
-    return random_chars >= 8 and random_chars > word_chars
+    return random_chars >= 8 and random_chars * RANDOM_SHARE >= word_chars
 
 
 def entropy(value: str) -> float:
