@@ -195,9 +195,9 @@ _NAMED = [  # (line, reason, the start of its detail)
         "$: both shapes in one record",
     ),
     (
-        b'{"code": "1", "language": "rust", "results": [], "logs": {}, "error": null}',
+        b'{"code": "1", "language": "", "results": [], "logs": {}, "error": null}',
         "invalid_value",
-        "$.language: must be one of python, sql, javascript, got 'rust'",
+        "$.language: must not be empty",
     ),
     (
         b'{"code": "1", "language": "python", "results": [], "logs": {}, '
@@ -252,15 +252,15 @@ def test_a_record_failing_in_processing_is_quarantined_and_the_build_goes_on(
     path.write_text(json.dumps(deep) + "\n")
     build.build(tmp_path / "d", _cfg(path, filters={"max_code_chars": 300_000}))
     assert _examples(tmp_path / "d")[(str(path), 1)]["features"]["chars"] == 200_001
-    # a record no parser gives (an unknown language) fails for real in processing
+    # a record no parser gives (code that is not text) fails for real in processing
     good = records.record_from_json(sdk_line("print(1)", _ok()), ("log.jsonl", 1))
     odd = records.record_from_json(sdk_line("print(2)", _ok()), ("log.jsonl", 2))
-    odd.language = "ruby"
+    odd.code = None
     q = Quarantine()
     examples, stats = processing.process([odd, good], processing.Filters(), q)
     assert [e["origin"]["line"] for e in examples] == [1]
     assert [(e["line"], e["reason"], e["detail"]) for e in q.entries] == [
-        (2, "processing_error", "dedup: KeyError")
+        (2, "processing_error", "features: AttributeError")
     ]
     assert stats["per_file"]["log.jsonl"] == {"accepted": 1, "examples": 1}
 

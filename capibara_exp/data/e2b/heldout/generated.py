@@ -19,7 +19,7 @@ import urllib.parse
 from collections import Counter, defaultdict
 
 from capibara_exp.data.e2b import scrub
-from capibara_exp.data.e2b.heldout import grammar, layouts, tokens
+from capibara_exp.data.e2b.heldout import caught, grammar, layouts, tokens
 from capibara_exp.data.e2b.heldout.formats import FORMATS
 
 CODE_CHANNELS = frozenset({"python", "javascript", "typescript", "java", "r", "bash", "sql", "go"})
@@ -99,15 +99,6 @@ def _never_named(rng: random.Random, slot: str) -> tuple[str, str]:
 def positives(seed: int, n: int) -> list[Sample]:
     rng = random.Random(seed)
     return [_one(rng, _never_named) for _ in range(n)]
-
-
-def caught(scrubbed: str, planted: str) -> bool:
-    """No piece of the credential is left: not whole, nor a 12-char piece of its middle or end."""
-    pieces = {planted}
-    if len(planted) >= 24:
-        third = len(planted) // 3
-        pieces |= {planted[third : third + 12], planted[-12:]}
-    return not any(p in scrubbed for p in pieces)
 
 
 def scrubbed(channel: str, text: str, exclude=frozenset()) -> str:

@@ -205,9 +205,7 @@ def value_first(line: str, in_code, exclude) -> list[tuple[int, int, str]]:
         rule = left_cue(line, at)
         if rule is None and auth_error and not _named_otherwise(line, lo):
             rule = "generated"
-        if rule is None and _constructor_argument(line, at) and (
-            kind == "token" or (kind == "uuid" and not shape.UUID.fullmatch(value))
-        ):
+        if rule is None and kind != "payload" and _constructor_argument(line, at, kind, value):
             rule = "generated"
         if rule is not None:
             out.append((lo, hi, "cued_token"))
@@ -224,9 +222,26 @@ def _named_otherwise(line: str, start: int) -> bool:
     return bool(ws) and (ws[-1] in _NOT_CUES or names.rule(name) == "none")
 
 
+# Constructors that take a generated value that is no credential.
+_NOT_CONSTRUCTORS = frozenset(
+    "hex bytes bytearray int str float decimal date datetime time color colour uuid guid "
+    "ulid oid objectid snowflake key path purepath url uri node record row entity model".split()
+)
+_CLIENT_VARS = _CALLEE_LAST | {"api", "sdk", "service", "conn", "connection", "bot"}
+_ASSIGNED = re.compile(r"(\w+)\s*(?::\s*\w+\s*)?=\s*$")
 _CONSTRUCTOR = re.compile(r"\b(?:new\s+)?(?:[\w.]*\.)?([A-Z][a-z]\w*)\(\s*(?:[bruf]{1,2}|@)?['\"`]$")
 
 
-def _constructor_argument(line: str, start: int) -> bool:
-    """The first argument of a constructor call: `Zorblax("<token>")` (an SDK's client)."""
-    return _CONSTRUCTOR.search(line, max(0, start - 80), start) is not None
+def _constructor_argument(line: str, start: int, kind: str, value: str) -> bool:
+    """The first argument of a constructor named by no id or digest word: an SDK's client
+    (`Zorblax("<token>")`). A bare UUID stays: models take ids (`Customer("<uuid>")`)."""
+    m = _CONSTRUCTOR.search(line, max(0, start - 80), start)
+    if m is None or (kind == "uuid" and shape.UUID.fullmatch(value)):
+        return False
+    if set(names.words(m.group(1))) & (_NOT_CUES | _NOT_CONSTRUCTORS):
+        return False
+    if kind == "token":
+        return True
+    # a digest-shaped argument counts only when what it makes is named as a client
+    var = _ASSIGNED.search(line, max(0, m.start() - 40), m.start())
+    return var is not None and bool(set(names.words(var.group(1))) & _CLIENT_VARS)
