@@ -9,7 +9,7 @@ import base64
 import binascii
 import re
 
-from capibara_exp.data.e2b.scrub import keep, names, shape
+from capibara_exp.data.e2b.scrub import gate, keep, names, shape
 
 # `-----BEGIN <label with PRIVATE or SECRET>-----` (PEM, OpenSSH, PGP) and SSH2's
 # `---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----`: the label says what the block holds.
@@ -41,10 +41,15 @@ _NAME_VALUE = re.compile(
 )
 
 
-def name_value_pairs(text: str) -> list[tuple[int, int, str]]:
+def name_value_pairs(text: str, lowered: str) -> list[tuple[int, int, str]]:
     """A value whose sibling `name` field names a credential."""
     out = []
-    for m in _NAME_VALUE.finditer(text):
+    matches = (
+        m
+        for lo, hi in gate.windows(lowered, ("value", "parametervalue"), 200, 300)
+        for m in _NAME_VALUE.finditer(text, lo, hi)
+    )
+    for m in matches:
         group = next(g for g in ("dq", "sq", "bare") if m.group(g) is not None)
         key, value = m.group("key"), m.group(group)
         rule = names.rule(key)
@@ -86,14 +91,15 @@ def decoded(value: str) -> str | None:
     return text if text and printable >= 0.95 * len(text) else None
 
 
-def encoded(text: str, holds_secret) -> list[tuple[int, int, str]]:
+def encoded(text: str, lowered: str, holds_secret) -> list[tuple[int, int, str]]:
     """base64 values that decode to a key block or to text `holds_secret` finds a secret in."""
     out = []
     for m in _ENCODED_PEM.finditer(text):
         plain = decoded(m.group())
         if plain and _BEGIN.search(plain):
             out.append((m.start(), m.end(), "encoded_private_key"))
-    for m in _ENCODED_NAME.finditer(text):
+    names_at = gate.windows(lowered, ("data", "b64", "base64", "encoded", "blob"), 100, 4096)
+    for m in (m for lo, hi in names_at for m in _ENCODED_NAME.finditer(text, lo, hi)):
         plain = decoded(m.group("v"))
         if plain and (_BEGIN.search(plain) or holds_secret(plain)):
             out.append((m.start("v"), m.end("v"), "encoded_secret"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from capibara_exp.data.e2b.scrub import blocks, contexts, forms, formats, keep, syntax, tables
+from capibara_exp.data.e2b.scrub import blocks, contexts, forms, formats, gate, keep, syntax, tables
 
 MARK = "<REDACTED:"
 # Values this long are also redacted where they stand again.
@@ -19,12 +19,9 @@ PROPAGATE_CHARS = 8
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
 _ESCAPES = re.compile(r"\\[\"'nrt]")
 _ESCAPED = {'\\"': ' "', "\\'": " '", "\\n": " \n", "\\r": "  ", "\\t": "  "}
-_GATE = re.compile(
-    rf"(?i){contexts.STEMS}|{contexts.AUTH_ERROR.pattern[4:]}|://[^\s/@]*@|identified\s+by"
-    r"|\b(?:mysql\w*|mariadb\w*|sshpass|redis-cli|ldap\w+|sqlcmd|mongosh?|7za?|zip|unzip"
-    r"|openssl|smbclient|htpasswd|curl|wget)\b|-pass(?:in|out)|\s-u\s|authenticated"
-)
-_LONG_RUN = re.compile(r"[A-Za-z0-9_\-+/]{16}")
+# Provider formats are generated tokens (or URL credentials): lines without one are not
+# given to detect-secrets' plugins.
+_PLUGIN_RUN = re.compile(r"[A-Za-z0-9_\-+/]{16,}")
 _TOKEN_CHARS = re.compile(r"[A-Za-z0-9_\-]")
 
 
@@ -37,41 +34,47 @@ def shadow(text: str) -> str:
     return text
 
 
-def _line_spans(line: str, base: int, code, exclude: frozenset[str]) -> list:
+def _line_spans(line: str, base: int, code, exclude, cue: bool, long_run: bool) -> list:
     def in_code(pos: int) -> bool:
         return code(base + pos)
 
-    cue = _GATE.search(line) is not None
-    long_run = _LONG_RUN.search(line) is not None
     found = []
-    if long_run:
+    if long_run and (_PLUGIN_RUN.search(line) or "://" in line):
         found += [s for s in formats.spans(line, exclude) if not keep.not_a_secret(line[s[0]:s[1]])]
-    if long_run or cue:
-        found += contexts.value_first(line, in_code, exclude)
+    found += contexts.value_first(line, in_code, exclude)
     if cue:
         found += contexts.key_first(line, in_code)
         found += forms.urls(line) + forms.tools(line) + forms.sql(line)
     return [(base + lo, base + hi, kind) for lo, hi, kind in found]
 
 
+def _structures(view: str, lowered: str, language, cue_lines, starts, exclude, depth) -> list:
+    """Secrets that span lines: key blocks, encodings, Kubernetes Secrets, name/value
+    pairs, tables, SQL inserts."""
+    found = blocks.key_blocks(view) if ("----" in view or "putty" in lowered) else []
+    if depth == 0:
+        found += blocks.encoded(view, lowered, lambda plain: bool(find(plain, None, exclude, 1)))
+    found += blocks.kubernetes_secrets(view) if "secret" in lowered else []
+    found += blocks.name_value_pairs(view, lowered) if "alue" in lowered else []
+    if language is None or language.lower() in syntax.SHELLS:
+        found += tables.text_tables(view, cue_lines | gate.lines_with(view, lowered, starts, ("value",)))
+    found += tables.html_tables(view) if "<t" in lowered else []
+    found += tables.sql_inserts(view) if "insert" in lowered else []
+    return found
+
+
 def find(text: str, language: str | None = None, exclude=frozenset(), depth: int = 0) -> list:
     """(start, end, kind) of every secret found in `text` (code in `language` if given)."""
     view = shadow(text)
+    lowered, starts = gate.lower(view), gate.line_starts(view)
+    cue_lines = gate.lines_with(view, lowered, starts)
+    long_lines = gate.long_run_lines(view, starts)
     code = syntax.in_code(view, language)
-    found = blocks.key_blocks(view) if ("----" in view or "PuTTY" in view) else []
-    if depth == 0:
-        found += blocks.encoded(view, lambda plain: bool(find(plain, None, exclude, depth + 1)))
-    found += blocks.kubernetes_secrets(view) if "Secret" in view else []
-    found += blocks.name_value_pairs(view) if ("alue" in view or "ALUE" in view) else []
-    if language is None or language.lower() in syntax.SHELLS:
-        found += tables.text_tables(view) if _GATE.search(view) else []
-    found += tables.html_tables(view) if "<t" in view else []
-    found += tables.sql_inserts(view) if "nsert" in view or "NSERT" in view else []
-    base = 0
-    for line in view.split("\n"):
-        if len(line) >= 8:
-            found += _line_spans(line, base, code, exclude)
-        base += len(line) + 1
+    found = _structures(view, lowered, language, cue_lines, starts, exclude, depth)
+    for i in sorted(cue_lines | long_lines):
+        end = starts[i + 1] - 1 if i + 1 < len(starts) else len(view)
+        line = view[starts[i] : end]
+        found += _line_spans(line, starts[i], code, exclude, i in cue_lines, i in long_lines)
     return found
 
 

@@ -89,9 +89,10 @@ def _active(exclude: frozenset[str]) -> tuple[tuple, tuple, tuple[str, ...]]:
         if fam.name in exclude:
             continue
         plugins += [(slug(t), found[t]()) for t in fam.plugins if t not in LEFT_OUT]
-        regexes += [(f"{fam.name}_token", re.compile(r + r"(?![\w\-])")) for r in fam.regexes]
+        regexes += [(f"{fam.name}_token", r + r"(?![\w\-])") for r in fam.regexes]
         public += fam.public
-    return tuple(plugins), tuple(regexes), tuple(public)
+    combined = re.compile("|".join(f"(?P<g{i}>{r})" for i, (_, r) in enumerate(regexes)) or "(?!)")
+    return tuple(plugins), (combined, tuple(k for k, _ in regexes)), tuple(public)
 
 
 def plugin_names(exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -141,8 +142,8 @@ def plugin_spans(line: str, plugins) -> list[tuple[int, int, str]]:
 
 def spans(line: str, exclude: frozenset[str] = frozenset()) -> list[tuple[int, int, str]]:
     """(start, end, kind) of provider-format tokens in one line (not yet checked by keep)."""
-    plugins, regexes, _ = _active(exclude)
+    plugins, (combined, kinds), _ = _active(exclude)
     out = plugin_spans(line, plugins)
-    for kind, regex in regexes:
-        out += [(m.start(), m.end(), kind) for m in regex.finditer(line)]
+    for m in combined.finditer(line):
+        out.append((m.start(), m.end(), kinds[int(m.lastgroup[1:])]))
     return out

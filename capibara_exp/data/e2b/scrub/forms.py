@@ -64,13 +64,19 @@ def urls(line: str) -> list[tuple[int, int, str]]:
     return out
 
 
+_TOOL_WORDS = ("mysql", "mariadb", "sshpass", "redis-cli", "login", "ldap", "sqlcmd", "mongo",
+               "zip", "openssl", "7z", "-pass", "-u", "--user", "smbclient", "htpasswd")
+_PAIR_WORDS = ("auth", "login", "signin", "sign_in", "basic", "credentials")
+
+
 def tools(line: str) -> list[tuple[int, int, str]]:
     out = []
-    for regex in _TOOL_FLAGS:
+    lowered = line.lower()
+    for regex in _TOOL_FLAGS if any(w in lowered for w in _TOOL_WORDS) else ():
         for m in regex.finditer(line):
             if not keep.not_a_secret(m.group("v")):
                 out.append((m.start("v"), m.end("v"), "cli_password"))
-    for m in _AUTH_PAIR.finditer(line):
+    for m in _AUTH_PAIR.finditer(line) if any(w in lowered for w in _PAIR_WORDS) else ():
         if not keep.not_a_secret(m.group("v")):
             out.append((m.start("v"), m.end("v"), "auth_pair"))
     return out

@@ -84,10 +84,13 @@ def in_code(code: str, language: str | None):
     """A function pos -> whether code[pos] is code (not inside a string or a comment)."""
     if not language or language.lower() in SHELLS:
         return lambda pos: False
-    spans = text_spans(code, language.lower())
-    starts = [lo for lo, _ in spans]
+    found: list = []  # the spans, read on the first question (most texts never ask)
 
     def check(pos: int) -> bool:
+        if not found:
+            spans = text_spans(code, language.lower())
+            found.extend([spans, [lo for lo, _ in spans]])
+        spans, starts = found
         at = bisect.bisect_right(starts, pos) - 1
         return not (at >= 0 and spans[at][0] <= pos < spans[at][1])
 

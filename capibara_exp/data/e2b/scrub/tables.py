@@ -90,14 +90,16 @@ def _name_span(header: str, delim: str | None, index: int) -> tuple[int, int, in
     return index, lo, hi
 
 
-def text_tables(text: str) -> list[tuple[int, int, str]]:
-    """Cells under credential columns of text tables (outputs, not code)."""
+def text_tables(text: str, header_lines: set[int]) -> list[tuple[int, int, str]]:
+    """Cells under credential columns of text tables (outputs, not code); the header is
+    one of `header_lines` (the lines with a cue word)."""
     out, lines, offsets = [], text.split("\n"), []
     pos = 0
     for line in lines:
         offsets.append(pos)
         pos += len(line) + 1
-    for at, header in enumerate(lines):
+    for at in sorted(header_lines):
+        header = lines[at]
         delim, columns = _cue_columns(header)
         if not columns:
             continue
