@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import random
+import re
 import string
 import uuid
 
@@ -30,6 +31,7 @@ ALPHABETS = {
     "upper_alnum": string.ascii_uppercase + string.digits,
 }
 STRUCTURES = ("bare", "prefixed", "dotted", "uuid_built")
+UUID_ONLY = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _CONSONANTS, _VOWELS = "bcdfghjklmnprstvwxz", "aeiou"
 
 

@@ -146,7 +146,7 @@ def left_cue(line: str, start: int) -> str | None:
     i, hops, callee_only = start, 0, False
     while hops <= 3:
         j = i
-        while j > 0 and line[j - 1] in _SEPARATORS:
+        while j > 0 and (line[j - 1] in _SEPARATORS or line[j - 2 : j] == "<-"):
             j -= 1
         seps = line[j:i]
         k = _name_before(line, j)
@@ -192,7 +192,7 @@ def value_first(line: str, in_code, exclude) -> list[tuple[int, int, str]]:
         url = _URL_START.search(line, max(0, lo - 24), lo + 2)
         url = url if url is not None and lo <= url.end() <= lo + 2 else None
         if url is not None:  # a URL's path: judged from where the URL starts
-            path = value.find("/")
+            path = value.find("/", 2 if value.startswith("//") else 0)
             if path == -1:
                 continue
             lo, value = lo + path, value[path:]

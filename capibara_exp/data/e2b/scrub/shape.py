@@ -52,8 +52,8 @@ def _pair_score(pair: str) -> int:
 def _wordlike(seg: str) -> bool:
     """Most letters in runs of 3+ whose letter pairs read as identifiers' do."""
     parts = [p.lower() for p in _PART.findall(seg) if p.isascii()]
-    if sum(len(p) for p in parts if len(p) >= 3) * 2 < len(seg):
-        return False
+    if sum(len(p) for p in parts if len(p) >= 3) * 2 < len(seg) or len(parts) * 3 > len(seg):
+        return False  # mostly short runs: case flipping as no identifier's does
     if len(_SWITCH.findall(seg)) >= 2:
         return False  # letters and digits alternating: `5d9plcil`, `lzeige1oez9gons8eeda`
     pairs = [p[i : i + 2] for p in parts for i in range(len(p) - 1)]

@@ -14,7 +14,7 @@ from capibara_exp.data.e2b.scrub import keep, names, shape
 _ROWS_MAX = 500
 _DELIMITERS = ("│", "|", "\t", ",")
 _RULE_LINE = re.compile(r"^[\s\-+=|│─┼┬┴├┤┌┐└┘╞╡═╪:]*$")
-_HEADER_CELL = re.compile(r"[\w.\-%#/]+")
+_HEADER_CELL = re.compile(r"(?!.*--)[^\W\d][\w.\-%#/]*")  # a name, not an armour line
 _TABLE_NAME = r"(?P<table>[\w.\"`\[\]]+)"
 _INSERT = re.compile(
     rf"(?is)\binsert\s+(?:or\s+\w+\s+)?into\s+{_TABLE_NAME}\s*(?:\((?P<cols>[^)]*)\)\s*)?values\s*"
