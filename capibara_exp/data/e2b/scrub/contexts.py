@@ -19,6 +19,7 @@ import re
 
 from capibara_exp.data.e2b.scrub import keep, names, shape
 
+REDACTED = "<REDACTED:"
 # Stems a credential name holds (names.rule decides; this only finds candidates fast).
 STEMS = (
     r"pass|pwd|secret|token|key|auth|cred|bearer|sig|sas|pat|dsn|webhook|cookie|session"
@@ -151,8 +152,8 @@ def left_cue(line: str, start: int) -> str | None:
         seps = line[j:i]
         k = _name_before(line, j)
         name = line[k:j].strip(".-")
-        if not name:
-            return None
+        if not name or line.endswith(REDACTED, 0, k):
+            return None  # nothing, or a redaction (its kind is no key)
         if name in _STRING_PREFIXES or (name in _TYPES and ":" in line[max(0, k - 3) : k]):
             i = k
             continue

@@ -13,7 +13,7 @@ from collections import Counter
 
 from capibara_exp.data.e2b.scrub import blocks, contexts, forms, formats, gate, keep, syntax, tables
 
-MARK = "<REDACTED:"
+MARK = contexts.REDACTED
 # Values this long are also redacted where they stand again.
 PROPAGATE_CHARS = 8
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from capibara_exp.data.e2b.scrub import keep, names, shape
+from capibara_exp.data.e2b.scrub import contexts, keep, names, shape
 
 _ROWS_MAX = 500
 _DELIMITERS = ("│", "|", "\t", ",")
@@ -108,8 +108,8 @@ def text_tables(text: str, header_lines: set[int]) -> list[tuple[int, int, str]]
             row = lines[row_at]
             if not row.strip():
                 break
-            if _RULE_LINE.fullmatch(row):
-                continue
+            if _RULE_LINE.fullmatch(row) or (delim is None and contexts.REDACTED in row):
+                continue  # a rule line; a row already redacted (its columns have moved)
             cells = _cells(row, delim)
             if delim is not None and len(cells) != width:
                 break
