@@ -66,8 +66,10 @@ def _generated(sc: dict, show: int) -> list[tuple[str, bool]]:
 
     gen = generated.evaluate(sc["seed"], sc["generated_positives"], sc["generated_negatives"])
     goal = sc["min_recall"]
-    print(f"never-named formats: {gen['positives']} credentials, seed {sc['seed']}; recall "
-          f"per secret {gen['recall']:.4f}\n")
+    print(
+        f"never-named formats: {gen['positives']} credentials, seed {sc['seed']}; recall "
+        f"per secret {gen['recall']:.4f}\n"
+    )
     print(_row("context class", "recall", "goal"))
     for cls, r in gen["recall_per_class"].items():
         print(_row(cls, f"{r:.4f}", "PASS" if r >= goal else "FAIL"))
@@ -88,8 +90,11 @@ def _generated(sc: dict, show: int) -> list[tuple[str, bool]]:
     return [
         (f"never-named formats: recall {gen['recall']:.4f} >= {goal}", gen["recall"] >= goal),
         (f"every context class >= {goal} (lowest {worst_class:.4f})", worst_class >= goal),
-        (f"generated must-survive altered {gen['negatives_altered_share']:.2%} <= "
-         f"{sc['max_negatives_altered']:.0%}", gen["negatives_altered_share"] <= sc["max_negatives_altered"]),
+        (
+            f"generated must-survive altered {gen['negatives_altered_share']:.2%} <= "
+            f"{sc['max_negatives_altered']:.0%}",
+            gen["negatives_altered_share"] <= sc["max_negatives_altered"],
+        ),
     ]
 
 
@@ -97,8 +102,10 @@ def _families(sc: dict, show: int) -> list[tuple[str, bool]]:
     from capibara_exp.data.e2b.heldout import generated
 
     lofo = generated.leave_one_family_out(sc["seed"], sc["samples_per_family"])
-    print(f"\nleave-one-family-out: {lofo['families']} families x {lofo['per_family']} tokens, "
-          "each with its format rules and every mention of it removed\n")
+    print(
+        f"\nleave-one-family-out: {lofo['families']} families x {lofo['per_family']} tokens, "
+        "each with its format rules and every mention of it removed\n"
+    )
     print(_row("family left out", "recall"))
     for fam, r in sorted(lofo["recall"].items(), key=lambda kv: kv[1]):
         print(_row(fam, f"{r:.3f}"))
@@ -106,8 +113,13 @@ def _families(sc: dict, show: int) -> list[tuple[str, bool]]:
     for fam, s in lofo["missed"][:show]:
         print(f"\nmissed with {fam} left out ({s.cls}):\n  {s.text[:200]!r}")
     ok = lofo["worst_recall"] >= sc["min_recall"]
-    return [(f"worst family left out: {lofo['worst_family']} {lofo['worst_recall']:.3f} >= "
-             f"{sc['min_recall']}", ok)]
+    return [
+        (
+            f"worst family left out: {lofo['worst_family']} {lofo['worst_recall']:.3f} >= "
+            f"{sc['min_recall']}",
+            ok,
+        )
+    ]
 
 
 def _provider_formats(sc: dict) -> list[tuple[str, bool]]:
@@ -116,15 +128,19 @@ def _provider_formats(sc: dict) -> list[tuple[str, bool]]:
     ours = heldout.evaluate(sc["seed"], sc["samples_per_format"])
     alone = heldout.evaluate(sc["seed"], sc["samples_per_format"], own=False)
     below = [k for k, v in alone["recall"].items() if v < sc["min_recall"]]
-    print(f"\nprovider formats (held-out corpus): {ours['formats']} formats x "
-          f"{sc['samples_per_format']}: min recall {ours['min_recall']:.3f} (detect-secrets "
-          f"alone: min {alone['min_recall']:.3f}, {len(below)} formats below 0.99); harvested "
-          f"must-survive texts altered {ours['negatives_altered_share']:.2%} of "
-          f"{ours['negatives']} (alone {alone['negatives_altered_share']:.2%})")
+    print(
+        f"\nprovider formats (held-out corpus): {ours['formats']} formats x "
+        f"{sc['samples_per_format']}: min recall {ours['min_recall']:.3f} (detect-secrets "
+        f"alone: min {alone['min_recall']:.3f}, {len(below)} formats below 0.99); harvested "
+        f"must-survive texts altered {ours['negatives_altered_share']:.2%} of "
+        f"{ours['negatives']} (alone {alone['negatives_altered_share']:.2%})"
+    )
     return [
         (f"provider formats >= {sc['min_recall']} each", ours["min_recall"] >= sc["min_recall"]),
-        (f"harvested must-survive altered <= {sc['max_negatives_altered']:.0%}",
-         ours["negatives_altered_share"] <= sc["max_negatives_altered"]),
+        (
+            f"harvested must-survive altered <= {sc['max_negatives_altered']:.0%}",
+            ours["negatives_altered_share"] <= sc["max_negatives_altered"],
+        ),
     ]
 
 
@@ -137,8 +153,10 @@ def _throughput() -> None:
 
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = [(p.read_text(errors="replace"), "python") for p in sorted(root.glob("*.py"))[:60]]
-    texts += [(p.text, p.channel if p.channel in generated.CODE_CHANNELS else None)
-              for p in generated.positives(7, 3000)]
+    texts += [
+        (p.text, p.channel if p.channel in generated.CODE_CHANNELS else None)
+        for p in generated.positives(7, 3000)
+    ]
     mb = sum(len(t) for t, _ in texts) / 1e6
     timings = {}
     for name, fn in (
@@ -152,8 +170,10 @@ def _throughput() -> None:
             fn(text, lang)
         timings[name] = time.perf_counter() - start
     ours = timings["this detector"]
-    print(f"\nthroughput on {mb:.2f} MB (60 stdlib modules as Python cells, 3,000 generated "
-          "contexts), one run:")
+    print(
+        f"\nthroughput on {mb:.2f} MB (60 stdlib modules as Python cells, 3,000 generated "
+        "contexts), one run:"
+    )
     for name, seconds in timings.items():
         print(f"  {name:34s} {mb / seconds:9.2f} MB/s   detector / this = {ours / seconds:7.1f}x")
 
@@ -166,10 +186,14 @@ def _calibration() -> None:
     from capibara_exp.data.e2b.scrub import shape
 
     rng = random.Random(1)
-    alphabets = {"hex": string.hexdigits[:16], "base32": string.ascii_uppercase + "234567",
-                 "base62": string.ascii_letters + string.digits, "letters": string.ascii_letters,
-                 "lower_alnum": string.ascii_lowercase + string.digits,
-                 "base64": string.ascii_letters + string.digits + "+/"}
+    alphabets = {
+        "hex": string.hexdigits[:16],
+        "base32": string.ascii_uppercase + "234567",
+        "base62": string.ascii_letters + string.digits,
+        "letters": string.ascii_letters,
+        "lower_alnum": string.ascii_lowercase + string.digits,
+        "base64": string.ascii_letters + string.digits + "+/",
+    }
     print("\nshape test: random tokens called generated (2,000 each)")
     for name, chars in alphabets.items():
         rates = []
@@ -178,12 +202,17 @@ def _calibration() -> None:
             rates.append(f"{n}: {sum(map(shape.generated, toks)) / len(toks):.3f}")
         print(f"  {name:12s} " + "  ".join(rates))
     root = Path(sysconfig.get_paths()["stdlib"])
-    runs = {m.group() for p in root.glob("*.py")
-            for m in re.finditer(r"[A-Za-z_][\w./\-]{15,}", p.read_text(errors="replace"))}
+    runs = {
+        m.group()
+        for p in root.glob("*.py")
+        for m in re.finditer(r"[A-Za-z_][\w./\-]{15,}", p.read_text(errors="replace"))
+    }
     words = [r for r in runs if not re.fullmatch(r"[0-9a-fA-FxX.p+\-]+|[A-Za-z0-9+/=]{20,}", r)]
     called = sum(map(shape.generated, words))
-    print(f"  {len(words)} distinct 16+-char identifier/path runs of the stdlib: {called} "
-          f"({called / len(words):.2%}) called generated")
+    print(
+        f"  {len(words)} distinct 16+-char identifier/path runs of the stdlib: {called} "
+        f"({called / len(words):.2%}) called generated"
+    )
 
 
 def main() -> int:
@@ -199,8 +228,10 @@ def main() -> int:
     _throughput()
     _calibration()
     n_lines, altered = real_code_lines()
-    print(f"\n(not a goal) real source lines naming passwords/tokens/secrets/keys, scrubbed as "
-          f"Python: {len(altered)} of {n_lines} altered ({len(altered) / max(1, n_lines):.2%})")
+    print(
+        f"\n(not a goal) real source lines naming passwords/tokens/secrets/keys, scrubbed as "
+        f"Python: {len(altered)} of {n_lines} altered ({len(altered) / max(1, n_lines):.2%})"
+    )
     for line, out in altered[: args.show]:
         print(f"  {line.strip()[:100]!r}\n  -> {out.strip()[:100]!r}")
     print()

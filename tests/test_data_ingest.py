@@ -281,7 +281,8 @@ _ANSI_TB = (
     "\x1b[0;31m---------------------------------------------------------------------------\x1b[0m\n"
     "\x1b[0;31mZeroDivisionError\x1b[0m                         Traceback (most recent call last)\n"
     "Cell \x1b[0;32mIn[3], line 2\x1b[0m\n\x1b[1;32m----> 2\x1b[0m \x1b[38;5;241m1\x1b[39m "
-    "\x1b[38;5;241m/\x1b[39m \x1b[38;5;241m0\x1b[39m\n\n\x1b[0;31mZeroDivisionError\x1b[0m: division by zero"
+    "\x1b[38;5;241m/\x1b[39m \x1b[38;5;241m0\x1b[39m\n\n"
+    "\x1b[0;31mZeroDivisionError\x1b[0m: division by zero"
 )
 
 
@@ -306,15 +307,16 @@ def _mixed_records(tok: str, pw: str) -> list[dict]:
              ok(logs=Logs(stdout=["   Min. 1st Qu.  Median    Mean 3rd Qu.    Max. \n",
                                   "    1.0     1.5     2.0     2.0     2.5     3.0 \n"]))),
         line("r", 'stop("bad input")',
-             ok(error=ExecutionError("Error", "bad input", "Error in eval(expr, envir): bad input"))),
+             ok(error=ExecutionError("Error", "bad input", "Error in eval(expr): bad input"))),
         line("javascript", "const xs = [1, 2, 3].map((x) => x * 2);\nconsole.log(xs);",
              ok(logs=Logs(stdout=["[ 2, 4, 6 ]\n"]))),
         line("javascript", "undefinedFn()",
              ok(error=ExecutionError("ReferenceError", "undefinedFn is not defined",
-                                     "ReferenceError: undefinedFn is not defined\n    at <anonymous>:1:1"))),
+                                     "ReferenceError: undefinedFn is not defined\n  at <anon>"))),
         line("typescript", f"const client = new QzvClient('{tok}');\nconst n: number = 2;\nn * 21",
              ok(results=[Result(text="42", is_main_result=True)])),
-        line("java", 'System.out.println("hello " + 40 + 2);', ok(logs=Logs(stdout=["hello 402\n"]))),
+        line("java", 'System.out.println("hello " + 40 + 2);',
+             ok(logs=Logs(stdout=["hello 402\n"]))),
         line("sql", "SELECT service, COUNT(*) AS n FROM calls GROUP BY service;",
              ok(results=[Result(text=" service | n\n---------+---\n billing | 4\n(1 row)",
                                 is_main_result=True)]), id="sql-1"),

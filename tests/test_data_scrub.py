@@ -272,11 +272,20 @@ def test_key_material_in_every_armour() -> None:
         "sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
         "request_id = '3f2a9c1e-7b4d-4e8a-9f1c-2d3e4f5a6b7c'",
         "user_id: 18446744073709551615",
-        '<img src="data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==">',
+        '<img src="data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4'
+        '2mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==">',
         "icon_key: data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJ",
-        "ssh_key: ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl deploy@ci",
-        "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEm3PfPdTxp4UoOXoyNgXx0ekXbuhJ\n-----END PUBLIC KEY-----",
-        "    client-certificate-data: LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCk1JSUMvakNDQWVhZ0F3SUJBZ0lCQURBTkJna3Foa2lHOXcwQkFRc0ZBREFWTVJNd0VRWURWUVFERXdwcmRXSmwKY201bGRHVnpNQjRYRFRJd01EUXdPVEl3TkRRMU1Gb1hEVE13TURRd056SXdORFExTUZvd0ZURVRNQkVHQTFVRQpBeE1LYTNWaVpYSnVaWFJsY3pDQ0FTSXdEUVlKS29aSWh2Y05BUUVCQlFBRGdnRVBBRENDQVFvQ2dnRUJBTTRGCi0tLS0tRU5EIENFUlRJRklDQVRFLS0tLS0K",
+        "ssh_key: ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+        " deploy@ci",
+        "-----BEGIN PUBLIC KEY-----\n"
+        "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEm3PfPdTxp4UoOXoyNgXx0ekXbuhJ\n"
+        "-----END PUBLIC KEY-----",
+        "    client-certificate-data: "
+        "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCk1JSUMvakNDQWVhZ0F3SUJBZ0lCQURBTkJna3Fo"
+        "a2lHOXcwQkFRc0ZBREFWTVJNd0VRWURWUVFERXdwcmRXSmwKY201bGRHVnpNQjRYRFRJd01EUXdP"
+        "VEl3TkRRMU1Gb1hEVE13TURRd056SXdORFExTUZvd0ZURVRNQkVHQTFVRQpBeE1LYTNWaVpYSnVa"
+        "WFJsY3pDQ0FTSXdEUVlKS29aSWh2Y05BUUVCQlFBRGdnRVBBRENDQVFvQ2dnRUJBTTRGCi0tLS0t"
+        "RU5EIENFUlRJRklDQVRFLS0tLS0K",
     ],
 )
 def test_what_must_survive_survives(text: str) -> None:

@@ -17,9 +17,10 @@ from pathlib import Path
 from capibara_exp.data.corpus import atomic_write
 from capibara_exp.data.e2b import scrub
 
-
 # The header and sections routing.render_execution writes: the code is read as code.
-_RENDERED = re.compile(r"\A(<domain:[^\n]*<language:(?P<lang>[^>\n]+)>\n### code\n)(?P<code>.*?)(?=\n### |\Z)", re.S)
+_RENDERED = re.compile(
+    r"\A(<domain:[^\n]*<language:(?P<lang>[^>\n]+)>\n### code\n)(?P<code>.*?)(?=\n### |\Z)", re.S
+)
 
 
 def _code_paths(obj) -> dict[tuple, str]:
@@ -51,7 +52,9 @@ def _scrub_rendered(text: str) -> tuple[str, Counter]:
 def _scrub_row(obj) -> tuple[object, Counter]:
     if isinstance(obj, dict) and isinstance(obj.get("text"), str):
         text, found = _scrub_rendered(obj["text"])
-        rest, counts = scrub.scrub_tree({k: v for k, v in obj.items() if k != "text"}, _code_paths(obj))
+        rest, counts = scrub.scrub_tree(
+            {k: v for k, v in obj.items() if k != "text"}, _code_paths(obj)
+        )
         return {k: text if k == "text" else rest[k] for k in obj}, found + Counter(counts)
     new, counts = scrub.scrub_tree(obj, _code_paths(obj))
     return new, Counter(counts)

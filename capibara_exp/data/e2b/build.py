@@ -21,7 +21,16 @@ from pathlib import Path
 
 from capibara_exp.data import routing
 from capibara_exp.data.corpus import atomic_write
-from capibara_exp.data.e2b import at_rest, collector, heldout, playbooks, processing, report, sandbox, scrub
+from capibara_exp.data.e2b import (
+    at_rest,
+    collector,
+    heldout,
+    playbooks,
+    processing,
+    report,
+    sandbox,
+    scrub,
+)
 from capibara_exp.data.e2b.heldout import generated
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import parse_records

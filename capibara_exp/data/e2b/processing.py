@@ -62,8 +62,9 @@ class Filters:
                 f"([] turns dedup off), got {dedup!r}"
             )
         languages = d.get("languages") or ()
-        if not isinstance(languages, list | tuple) or not all(isinstance(x, str) for x in languages):
-            raise ConfigError(f"filters.languages must be null or a list of names, got {languages!r}")
+        names = isinstance(languages, list | tuple) and all(isinstance(x, str) for x in languages)
+        if not names:
+            raise ConfigError(f"filters.languages must be null or a list of names: {languages!r}")
         return cls(**{**d, "languages": tuple(languages), "dedup": tuple(dedup)})
 
 

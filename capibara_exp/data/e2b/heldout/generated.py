@@ -25,24 +25,58 @@ from capibara_exp.data.e2b.heldout.formats import FORMATS
 CODE_CHANNELS = frozenset({"python", "javascript", "typescript", "java", "r", "bash", "sql", "go"})
 # Provider tokens of formats.py by the detector's family (formats.FAMILIES) they belong to.
 FAMILY_OF = {
-    "aws_access_key_id": "aws", "aws_secret_access_key": "aws", "github_classic_token": "github",
-    "github_oauth_token": "github", "github_fine_grained_token": "github", "gitlab_token": "gitlab",
-    "slack_bot_token": "slack", "slack_webhook": "slack", "stripe_secret_key": "stripe",
-    "stripe_restricted_key": "stripe", "openai_key": "openai", "anthropic_key": "anthropic",
-    "google_api_key": "google", "huggingface_token": "huggingface", "e2b_api_key": "e2b",
-    "npm_token": "npm", "pypi_token": "pypi", "sendgrid_key": "sendgrid",
-    "mailchimp_key": "mailchimp", "jwt": "jwt", "private_key": "private_key",
-    "databricks_token": "databricks", "digitalocean_token": "digitalocean",
-    "shopify_token": "shopify", "telegram_bot_token": "telegram", "discord_bot_token": "discord",
-    "square_access_token": "square", "azure_storage_key": "azure", "azure_sas_signature": "azure",
+    "aws_access_key_id": "aws",
+    "aws_secret_access_key": "aws",
+    "github_classic_token": "github",
+    "github_oauth_token": "github",
+    "github_fine_grained_token": "github",
+    "gitlab_token": "gitlab",
+    "slack_bot_token": "slack",
+    "slack_webhook": "slack",
+    "stripe_secret_key": "stripe",
+    "stripe_restricted_key": "stripe",
+    "openai_key": "openai",
+    "anthropic_key": "anthropic",
+    "google_api_key": "google",
+    "huggingface_token": "huggingface",
+    "e2b_api_key": "e2b",
+    "npm_token": "npm",
+    "pypi_token": "pypi",
+    "sendgrid_key": "sendgrid",
+    "mailchimp_key": "mailchimp",
+    "jwt": "jwt",
+    "private_key": "private_key",
+    "databricks_token": "databricks",
+    "digitalocean_token": "digitalocean",
+    "shopify_token": "shopify",
+    "telegram_bot_token": "telegram",
+    "discord_bot_token": "discord",
+    "square_access_token": "square",
+    "azure_storage_key": "azure",
+    "azure_sas_signature": "azure",
     "twilio_auth_token": "twilio",
 }
 REFERENCES = (
-    'os.environ["{K}"]', 'os.getenv("{K}")', "process.env.{K}", 'Sys.getenv("{K}")',
-    'System.getenv("{K}")', "${K}", "${{{{ secrets.{K} }}}}", "{{{{ .Values.{k} }}}}",
+    'os.environ["{K}"]',
+    'os.getenv("{K}")',
+    "process.env.{K}",
+    'Sys.getenv("{K}")',
+    'System.getenv("{K}")',
+    "${K}",
+    "${{{{ secrets.{K} }}}}",
+    "{{{{ .Values.{k} }}}}",
 )
-PLACEHOLDERS = ("<YOUR_TOKEN>", "YOUR_API_KEY", "xxxxxxxxxxxxxxxx", "********", "<token>",
-                "REPLACE_ME", "your-key-here", "changeme", "sk-...")
+PLACEHOLDERS = (
+    "<YOUR_TOKEN>",
+    "YOUR_API_KEY",
+    "xxxxxxxxxxxxxxxx",
+    "********",
+    "<token>",
+    "REPLACE_ME",
+    "your-key-here",
+    "changeme",
+    "sk-...",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +105,9 @@ def _one(rng: random.Random, value_for) -> Sample:
     cls = rng.choice(sorted({c.cls for c in grammar.CONTEXTS} | {"table", "key_block"}))
     if cls == "key_block":
         block = layouts.key_block(rng)
-        channel, text, planted = layouts.key_context(rng, block, rng.choice(["private_key", "key", "pem"]))
+        channel, text, planted = layouts.key_context(
+            rng, block, rng.choice(["private_key", "key", "pem"])
+        )
         return Sample(cls, "key_block", channel, text, planted)
     fmt, value = value_for(rng, "token")
     if cls == "table":
@@ -79,7 +115,9 @@ def _one(rng: random.Random, value_for) -> Sample:
         fmt, value = value_for(rng, slot)
         nouns = tokens.GENERATED_NOUNS if slot == "token" else tokens.CHOSEN_NOUNS
         words = tokens.key_words(rng, nouns)
-        channel, text = layouts.table(rng, tokens.render(words, rng.choice(["snake", "camel", "flat"])), value)
+        channel, text = layouts.table(
+            rng, tokens.render(words, rng.choice(["snake", "camel", "flat"])), value
+        )
         return Sample(cls, fmt, channel, text, value)
     ctx = rng.choice([c for c in grammar.CONTEXTS if c.cls == cls])
     if ctx.slot == "chosen":
@@ -87,7 +125,9 @@ def _one(rng: random.Random, value_for) -> Sample:
     if cls == "url":  # in a URL a credential is percent-encoded, as clients write it
         value = urllib.parse.quote(value, safe="")
     nouns = tokens.CHOSEN_NOUNS if ctx.slot == "chosen" else tokens.GENERATED_NOUNS
-    return Sample(cls, fmt, ctx.channel, _fill(ctx, rng, value, tokens.key_words(rng, nouns), False), value)
+    return Sample(
+        cls, fmt, ctx.channel, _fill(ctx, rng, value, tokens.key_words(rng, nouns), False), value
+    )
 
 
 def _never_named(rng: random.Random, slot: str) -> tuple[str, str]:
@@ -130,9 +170,13 @@ def _kept_under_cue(rng: random.Random) -> tuple[str, str, str]:
     elif category == "placeholder":
         value = rng.choice(PLACEHOLDERS)
     elif category == "publishable":
-        value = rng.choice(["pk_live_", "pk_test_"]) + tokens.pick(rng, tokens.ALPHABETS["base62"], 24)
+        value = rng.choice(["pk_live_", "pk_test_"]) + tokens.pick(
+            rng, tokens.ALPHABETS["base62"], 24
+        )
     elif category == "public_key":
-        body = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519\x00\x00\x00 " + rng.randbytes(32)).decode()
+        body = base64.b64encode(
+            b"\x00\x00\x00\x0bssh-ed25519\x00\x00\x00 " + rng.randbytes(32)
+        ).decode()
         value = f"ssh-ed25519 {body} deploy@{tokens.vendor(rng)}"
     else:
         png = b"\x89PNG\r\n\x1a\n" + rng.randbytes(rng.randint(300, 800))

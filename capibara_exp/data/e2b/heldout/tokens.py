@@ -50,8 +50,11 @@ def token(rng: random.Random, alphabet: str, structure: str) -> str:
     if structure == "bare":
         return pick(rng, chars, rng.randint(20, 64))
     if structure == "prefixed":
-        mid = rng.choice(["", "live_", "prod_", "sk_", f"{pick(rng, 'abcdefghijklmnopqrstuvwxyz', 2)}_"])
-        return f"{vendor(rng)[:rng.randint(2, 5)]}{rng.choice('_-')}{mid}{pick(rng, chars, rng.randint(20, 56))}"
+        mid = rng.choice(
+            ["", "live_", "prod_", "sk_", f"{pick(rng, 'abcdefghijklmnopqrstuvwxyz', 2)}_"]
+        )
+        head = vendor(rng)[: rng.randint(2, 5)] + rng.choice("_-")
+        return f"{head}{mid}{pick(rng, chars, rng.randint(20, 56))}"
     if structure == "dotted":
         parts = [pick(rng, chars, rng.randint(8, 40)) for _ in range(rng.randint(2, 3))]
         return ".".join(parts)
@@ -73,23 +76,71 @@ def password(rng: random.Random) -> str:
 
 # Credential nouns: (words, rule). Chosen secrets hold any value; the rest are generated.
 GENERATED_NOUNS = [
-    ["api", "key"], ["api", "token"], ["access", "token"], ["auth", "token"], ["token"],
-    ["secret", "key"], ["private", "token"], ["access", "key"], ["bearer", "token"],
-    ["refresh", "token"], ["session", "token"], ["signing", "key"], ["license", "key"],
-    ["credential"], ["apikey"], ["authtoken"], ["key"], ["app", "key"], ["master", "key"],
-    ["service", "key"], ["jeton"], ["chave", "api"], ["schlüssel"], ["clé", "api"], ["токен"],
+    ["api", "key"],
+    ["api", "token"],
+    ["access", "token"],
+    ["auth", "token"],
+    ["token"],
+    ["secret", "key"],
+    ["private", "token"],
+    ["access", "key"],
+    ["bearer", "token"],
+    ["refresh", "token"],
+    ["session", "token"],
+    ["signing", "key"],
+    ["license", "key"],
+    ["credential"],
+    ["apikey"],
+    ["authtoken"],
+    ["key"],
+    ["app", "key"],
+    ["master", "key"],
+    ["service", "key"],
+    ["jeton"],
+    ["chave", "api"],
+    ["schlüssel"],
+    ["clé", "api"],
+    ["токен"],
 ]
 CHOSEN_NOUNS = [
-    ["password"], ["passwd"], ["pwd"], ["passphrase"], ["db", "password"], ["secret"],
-    ["admin", "password"], ["client", "secret"], ["webhook", "secret"], ["passwort"],
-    ["contraseña"], ["mot", "de", "passe"], ["senha"], ["пароль"], ["root", "password"],
+    ["password"],
+    ["passwd"],
+    ["pwd"],
+    ["passphrase"],
+    ["db", "password"],
+    ["secret"],
+    ["admin", "password"],
+    ["client", "secret"],
+    ["webhook", "secret"],
+    ["passwort"],
+    ["contraseña"],
+    ["mot", "de", "passe"],
+    ["senha"],
+    ["пароль"],
+    ["root", "password"],
 ]
 # Names of values that are not credentials (the negatives' names).
 NEUTRAL_NOUNS = [
-    ["request", "id"], ["trace", "id"], ["commit"], ["sha256"], ["checksum"], ["etag"],
-    ["digest"], ["build", "id"], ["image", "digest"], ["object", "id"], ["run", "id"],
-    ["revision"], ["content", "md5"], ["version", "id"], ["user", "id"], ["correlation", "id"],
-    ["token", "hash"], ["password", "hash"], ["key", "fingerprint"], ["secret", "name"],
+    ["request", "id"],
+    ["trace", "id"],
+    ["commit"],
+    ["sha256"],
+    ["checksum"],
+    ["etag"],
+    ["digest"],
+    ["build", "id"],
+    ["image", "digest"],
+    ["object", "id"],
+    ["run", "id"],
+    ["revision"],
+    ["content", "md5"],
+    ["version", "id"],
+    ["user", "id"],
+    ["correlation", "id"],
+    ["token", "hash"],
+    ["password", "hash"],
+    ["key", "fingerprint"],
+    ["secret", "name"],
 ]
 STYLES = ("snake", "screaming", "camel", "pascal", "kebab", "dotted", "flat", "header")
 

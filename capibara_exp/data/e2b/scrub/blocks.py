@@ -13,7 +13,9 @@ from capibara_exp.data.e2b.scrub import gate, keep, names, shape
 
 # `-----BEGIN <label with PRIVATE or SECRET>-----` (PEM, OpenSSH, PGP) and SSH2's
 # `---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----`: the label says what the block holds.
-_BEGIN = re.compile(r"-{4,5} ?BEGIN (?P<label>(?:[A-Z0-9]+ )*?(?:PRIVATE|SECRET)(?: [A-Z0-9]+)*) ?-{4,5}")
+_BEGIN = re.compile(
+    r"-{4,5} ?BEGIN (?P<label>(?:[A-Z0-9]+ )*?(?:PRIVATE|SECRET)(?: [A-Z0-9]+)*) ?-{4,5}"
+)
 _PUTTY = re.compile(r"PuTTY-User-Key-File-\d+:")
 _PUTTY_PRIVATE = re.compile(r"Private-Lines: *(\d+)[ \t]*\n")
 _PUTTY_MAC = re.compile(r"Private-(?:MAC|Hash): *[0-9a-fA-F]+")
@@ -126,4 +128,3 @@ def kubernetes_secrets(text: str) -> list[tuple[int, int, str]]:
                 base = m.start("body")
                 out.append((base + item.start("v"), base + item.end("v"), "kubernetes_secret"))
     return out
-

@@ -80,7 +80,9 @@ _NOT_CUES = frozenset(
 )
 _SEPARATORS = frozenset(" \t'\"`:=,([]{<>@|│*+!")
 # Type annotations between a name and its value: `apiKey: string = "..."`.
-_TYPES = frozenset("string str String bytes any object Final Optional char var let const val".split())
+_TYPES = frozenset(
+    "string str String bytes any object Final Optional char var let const val".split()
+)
 _STRING_PREFIXES = frozenset({"b", "r", "u", "f", "rb", "br", "B", "R", "U", "F", "L"})
 _SCHEME = re.compile(r"(?i)^(?:bearer|basic|token|digest|apikey|key)\s+")
 _URL = re.compile(r"(?i)^[a-z][a-z0-9+.\-]*://")
@@ -230,7 +232,9 @@ _NOT_CONSTRUCTORS = frozenset(
 )
 _CLIENT_VARS = _CALLEE_LAST | {"api", "sdk", "service", "conn", "connection", "bot"}
 _ASSIGNED = re.compile(r"(\w+)\s*(?::\s*\w+\s*)?=\s*$")
-_CONSTRUCTOR = re.compile(r"\b(?:new\s+)?(?:[\w.]*\.)?([A-Z][a-z]\w*)\(\s*(?:[bruf]{1,2}|@)?['\"`]$")
+_CONSTRUCTOR = re.compile(
+    r"\b(?:new\s+)?(?:[\w.]*\.)?([A-Z][a-z]\w*)\(\s*(?:[bruf]{1,2}|@)?['\"`]$"
+)
 
 
 def _constructor_argument(line: str, start: int, kind: str, value: str) -> bool:

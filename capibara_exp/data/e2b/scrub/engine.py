@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from capibara_exp.data.e2b.scrub import blocks, contexts, forms, formats, gate, keep, syntax, tables
+from capibara_exp.data.e2b.scrub import blocks, contexts, formats, forms, gate, keep, syntax, tables
 
 MARK = contexts.REDACTED
 # Values this long are also redacted where they stand again.
@@ -40,7 +40,9 @@ def _line_spans(line: str, base: int, code, exclude, cue: bool, long_run: bool) 
 
     found = []
     if long_run and (_PLUGIN_RUN.search(line) or "://" in line):
-        found += [s for s in formats.spans(line, exclude) if not keep.not_a_secret(line[s[0]:s[1]])]
+        found += [
+            s for s in formats.spans(line, exclude) if not keep.not_a_secret(line[s[0] : s[1]])
+        ]
     found += contexts.value_first(line, in_code, exclude)
     if cue:
         found += contexts.key_first(line, in_code)
@@ -57,7 +59,9 @@ def _structures(view: str, lowered: str, language, cue_lines, starts, exclude, d
     found += blocks.kubernetes_secrets(view) if "secret" in lowered else []
     found += blocks.name_value_pairs(view, lowered) if "alue" in lowered else []
     if language is None or language.lower() in syntax.SHELLS:
-        found += tables.text_tables(view, cue_lines | gate.lines_with(view, lowered, starts, ("value",)))
+        found += tables.text_tables(
+            view, cue_lines | gate.lines_with(view, lowered, starts, ("value",))
+        )
     found += tables.html_tables(view) if "<t" in lowered else []
     found += tables.sql_inserts(view) if "insert" in lowered else []
     return found

@@ -44,8 +44,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("github", ("GitHub Token",), (r"\bgithub_pat_[A-Za-z0-9_]{60,}",)),
     Family("gitlab", ("GitLab Token",)),
     Family("slack", ("Slack Token",)),
-    Family("stripe", ("Stripe Access Key",), (r"\b[rs]k_(?:live|test)_[0-9A-Za-z]{20,}",),
-           ("pk_live_", "pk_test_")),
+    Family(
+        "stripe",
+        ("Stripe Access Key",),
+        (r"\b[rs]k_(?:live|test)_[0-9A-Za-z]{20,}",),
+        ("pk_live_", "pk_test_"),
+    ),
     Family("openai", ("OpenAI Token",), (r"\bsk-(?:proj|svcacct|admin)-[A-Za-z0-9_\-]{40,}",)),
     Family("anthropic", (), (r"\bsk-ant-(?:api|admin)\d\d-[A-Za-z0-9_\-]{80,}",)),
     Family("google", (), (r"\bAIza[0-9A-Za-z_\-]{35}",)),
@@ -62,12 +66,21 @@ FAMILIES: tuple[Family, ...] = (
     Family("shopify", (), (r"\bshp(?:at|ca|pa|ss)_[0-9a-fA-F]{32}",)),
     Family("telegram", ("Telegram Bot Token",)),
     Family("discord", ("Discord Bot Token",)),
-    Family("square", ("Square OAuth Secret",), (r"\bEAAA[A-Za-z0-9_\-]{60}", r"\bsq0atp-[\w\-]{22}")),
+    Family(
+        "square", ("Square OAuth Secret",), (r"\bEAAA[A-Za-z0-9_\-]{60}", r"\bsq0atp-[\w\-]{22}")
+    ),
     Family("azure", ("Azure Storage Account access key",)),
     Family("twilio", ("Twilio API Key",)),
     Family("artifactory", ("Artifactory Credentials",)),
-    Family("ibm", ("IBM Cloud IAM Key", "IBM COS HMAC Credentials", "SoftLayer Credentials",
-                   "Cloudant Credentials")),
+    Family(
+        "ibm",
+        (
+            "IBM Cloud IAM Key",
+            "IBM COS HMAC Credentials",
+            "SoftLayer Credentials",
+            "Cloudant Credentials",
+        ),
+    ),
     Family("url_credentials", ("Basic Auth Credentials",)),
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)

@@ -64,8 +64,24 @@ def urls(line: str) -> list[tuple[int, int, str]]:
     return out
 
 
-_TOOL_WORDS = ("mysql", "mariadb", "sshpass", "redis-cli", "login", "ldap", "sqlcmd", "mongo",
-               "zip", "openssl", "7z", "-pass", "-u", "--user", "smbclient", "htpasswd")
+_TOOL_WORDS = (
+    "mysql",
+    "mariadb",
+    "sshpass",
+    "redis-cli",
+    "login",
+    "ldap",
+    "sqlcmd",
+    "mongo",
+    "zip",
+    "openssl",
+    "7z",
+    "-pass",
+    "-u",
+    "--user",
+    "smbclient",
+    "htpasswd",
+)
 _PAIR_WORDS = ("auth", "login", "signin", "sign_in", "basic", "credentials")
 
 

@@ -32,7 +32,9 @@ _GENERATED = frozenset(
 )
 # Credential words a flat compound may end with (`key` needs a qualifier, see _flat).
 _LONG_CUES = tuple(
-    sorted((w for w in _CHOSEN | _GENERATED if len(w) >= 5 or not w.isascii()), key=len, reverse=True)
+    sorted(
+        (w for w in _CHOSEN | _GENERATED if len(w) >= 5 or not w.isascii()), key=len, reverse=True
+    )
 ) + ("pwd",)
 # Last words that make a name about a credential rather than its holder.
 _ABOUT = frozenset(
@@ -59,8 +61,24 @@ _NOT_KEY = frozenset(
     "dedupe unique composite object s3 bucket map index shard routing message column "
     "attribute tuple range order join cluster distribution natural surrogate candidate".split()
 )
-_KEY_WORDS = ("monkey", "donkey", "turkey", "hockey", "jockey", "whiskey", "hotkey", "passkey",
-              "latchkey", "lackey", "malarkey", "flunkey", "hokey", "pokey", "jokey", "smokey")
+_KEY_WORDS = (
+    "monkey",
+    "donkey",
+    "turkey",
+    "hockey",
+    "jockey",
+    "whiskey",
+    "hotkey",
+    "passkey",
+    "latchkey",
+    "lackey",
+    "malarkey",
+    "flunkey",
+    "hokey",
+    "pokey",
+    "jokey",
+    "smokey",
+)
 # A key that identifies a key pair's secret half (`aws_access_key_id`, `KEY_ID`): generated.
 _KEY_ID = re.compile(r"(?:^|_)(?:access_?key|key)_?id$")
 _PIECES = re.compile(r"[^\W_]+")
@@ -74,8 +92,10 @@ def _camel(piece: str) -> list[str]:
     for i in range(1, len(piece)):
         a, b = piece[i - 1], piece[i]
         nxt = piece[i + 1] if i + 1 < len(piece) else ""
-        if (a.islower() and b.isupper()) or (a.isupper() and b.isupper() and nxt.islower()) or (
-            a.isdigit() != b.isdigit()
+        if (
+            (a.islower() and b.isupper())
+            or (a.isupper() and b.isupper() and nxt.islower())
+            or (a.isdigit() != b.isdigit())
         ):
             out.append(piece[start:i])
             start = i
@@ -107,8 +127,10 @@ def _flat(word: str) -> str | None:
         for cue in _LONG_CUES:
             if stem.endswith(cue) and len(stem) > len(cue) - (1 if tail else 0):
                 return "chosen" if cue in _CHOSEN else "generated"
-        if tail == "key" and len(stem) >= 2 and not (
-            word.endswith(_KEY_WORDS) or stem.endswith(tuple(_NOT_KEY))
+        if (
+            tail == "key"
+            and len(stem) >= 2
+            and not (word.endswith(_KEY_WORDS) or stem.endswith(tuple(_NOT_KEY)))
         ):
             return "generated"  # a vendor's name and `key` (`stripekey`), not `monkey`
     return None
@@ -116,7 +138,7 @@ def _flat(word: str) -> str | None:
 
 @functools.lru_cache(maxsize=1 << 14)
 def rule(name: str) -> str | None:
-    """"chosen", "generated", "none" (about a credential) or None (no credential word)."""
+    """ "chosen", "generated", "none" (about a credential) or None (no credential word)."""
     ws = words(name)
     cues = [(i, r) for i, w in enumerate(ws) if (r := _is_cue(w))]
     if not cues:

@@ -87,7 +87,7 @@ def entropy(value: str) -> float:
 
 
 def kind(value: str) -> str:
-    """"uuid", "hash" (a hex digest), "payload" (long base64), "token" (other generated
+    """ "uuid", "hash" (a hex digest), "payload" (long base64), "token" (other generated
     text) or "text" (words, numbers, paths: nothing a machine keys with)."""
     if not generated(value):
         return "text"

@@ -20,10 +20,14 @@ _INSERT = re.compile(
     rf"(?is)\binsert\s+(?:or\s+\w+\s+)?into\s+{_TABLE_NAME}\s*(?:\((?P<cols>[^)]*)\)\s*)?values\s*"
     r"(?P<rows>(?:\([^;]*?\)\s*,?\s*)+)"
 )
-_CREATE = re.compile(rf"(?is)\bcreate\s+(?:temp\w*\s+)?table\s+(?:if\s+not\s+exists\s+)?{_TABLE_NAME}\s*\((?P<defs>.*?)\)\s*;")
+_CREATE = re.compile(
+    rf"(?is)\bcreate\s+(?:temp\w*\s+)?table\s+(?:if\s+not\s+exists\s+)?{_TABLE_NAME}\s*\((?P<defs>.*?)\)\s*;"
+)
 _CONSTRAINT = re.compile(r"(?i)^(?:primary|foreign|unique|check|constraint|key|index)\b")
 _SQL_LITERAL = re.compile(r"'(?:[^']|'')*'|[^,()']+")
-_NAME_COLUMNS = frozenset("name key setting variable var param parameter field parameterkey".split())
+_NAME_COLUMNS = frozenset(
+    "name key setting variable var param parameter field parameterkey".split()
+)
 _VALUE_COLUMNS = frozenset("value val setting_value parametervalue".split())
 _HTML_ROW = re.compile(r"(?is)<tr[^>]*>(.*?)</tr>")
 _HTML_CELL = re.compile(r"(?is)<t([hd])[^>]*>(.*?)</t\1>")
@@ -180,6 +184,8 @@ def sql_inserts(text: str) -> list[tuple[int, int, str]]:
                     col = values[pair[0]].group().strip().strip("'")
                 literal = value.group().strip()
                 if literal.startswith("'") and _secret(literal[1:-1], col):
-                    start = m.start("rows") + row.start(1) + value.start() + value.group().index("'")
+                    start = (
+                        m.start("rows") + row.start(1) + value.start() + value.group().index("'")
+                    )
                     out.append((start + 1, start + len(literal) - 1, "sql_secret"))
     return out
