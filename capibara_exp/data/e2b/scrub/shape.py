@@ -30,7 +30,7 @@ _LLR = (
     "0111310030012224014400200010004000300010100000000000"
 )
 _PART = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
-_SEGMENT = re.compile(r"[^._/:\-~+=@%]+")
+_SEGMENT = re.compile(r"[A-Za-z0-9]+")
 _SWITCH = re.compile(r"[A-Za-z][0-9]|[0-9][A-Za-z]")
 UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _HEX = re.compile(r"[0-9a-fA-F]+")
