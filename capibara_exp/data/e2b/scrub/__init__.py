@@ -43,7 +43,7 @@ def scrub_with_values(
     if own:
         return engine.scrub_with_values(text, language, frozenset(exclude))
     counts: Counter = Counter()
-    scrubbed, values = engine._redact(text, engine._merge(baseline.find(text)), counts)
+    scrubbed, values = engine.redact(text, engine.merge(baseline.find(text)), counts)
     return (engine.redact_values(scrubbed, values, counts), counts), values
 
 

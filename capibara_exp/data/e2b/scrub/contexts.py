@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from capibara_exp.data.e2b.scrub import keep, names, shape
+from capibara_exp.data.e2b.scrub import formats, keep, names, shape
 
 REDACTED = "<REDACTED:"
 # Stems a credential name holds (names.rule decides; this only finds candidates fast).
@@ -185,8 +185,6 @@ def _prose_word(name: str) -> bool:
 
 def value_first(line: str, in_code, exclude) -> list[tuple[int, int, str]]:
     """Generated-looking tokens with a cue to their left, or on a line about failed auth."""
-    from capibara_exp.data.e2b.scrub import formats
-
     out = []
     auth_error = AUTH_ERROR.search(line) is not None
     for m in CANDIDATE.finditer(line):

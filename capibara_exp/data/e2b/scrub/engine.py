@@ -82,7 +82,7 @@ def find(text: str, language: str | None = None, exclude=frozenset(), depth: int
     return found
 
 
-def _merge(spans: list) -> list[tuple[int, int, str]]:
+def merge(spans: list) -> list[tuple[int, int, str]]:
     merged: list[list] = []
     for start, end, kind in sorted(spans, key=lambda s: (s[0], -s[1])):
         if merged and start < merged[-1][1]:
@@ -92,7 +92,7 @@ def _merge(spans: list) -> list[tuple[int, int, str]]:
     return [tuple(s) for s in merged]
 
 
-def _redact(text: str, spans, counts: Counter) -> tuple[str, set]:
+def redact(text: str, spans, counts: Counter) -> tuple[str, set]:
     out, last, values = [], 0, set()
     for start, end, kind in spans:
         out += [text[last:start], f"{MARK}{kind}>"]
@@ -125,13 +125,13 @@ def redact_values(text: str, values, counts: Counter) -> str:
         if len(value) >= PROPAGATE_CHARS
         for lo, hi in occurrences(text, value)
     ]
-    return _redact(text, _merge(spans), counts)[0] if spans else text
+    return redact(text, merge(spans), counts)[0] if spans else text
 
 
 def scrub_with_values(text: str, language: str | None = None, exclude=frozenset()):
     """((scrubbed text, counts), the secret values found) for propagating to other fields."""
     counts: Counter = Counter()
-    spans = _merge(find(text, language, exclude)) if len(text) >= 8 else []
-    scrubbed, values = _redact(text, spans, counts)
+    spans = merge(find(text, language, exclude)) if len(text) >= 8 else []
+    scrubbed, values = redact(text, spans, counts)
     scrubbed = redact_values(scrubbed, values, counts)
     return (scrubbed, counts), values
