@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capibara_exp.data.e2b import build, heldout, processing, records
-from capibara_exp.data.e2b.heldout import formats
+from capibara_exp.data.e2b.heldout import formats, tokens
 from capibara_exp.data.e2b.quarantine import Quarantine
 
 _RELAXED = {"min_code_chars": 0, "dedup": [], "drop_sandbox_errors": False}
@@ -195,9 +195,9 @@ _NAMED = [  # (line, reason, the start of its detail)
         "$: both shapes in one record",
     ),
     (
-        b'{"code": "1", "language": "rust", "results": [], "logs": {}, "error": null}',
+        b'{"code": "1", "language": "", "results": [], "logs": {}, "error": null}',
         "invalid_value",
-        "$.language: must be one of python, sql, javascript, got 'rust'",
+        "$.language: must not be empty",
     ),
     (
         b'{"code": "1", "language": "python", "results": [], "logs": {}, '
@@ -252,17 +252,98 @@ def test_a_record_failing_in_processing_is_quarantined_and_the_build_goes_on(
     path.write_text(json.dumps(deep) + "\n")
     build.build(tmp_path / "d", _cfg(path, filters={"max_code_chars": 300_000}))
     assert _examples(tmp_path / "d")[(str(path), 1)]["features"]["chars"] == 200_001
-    # a record no parser gives (an unknown language) fails for real in processing
+    # a record no parser gives (code that is not text) fails for real in processing
     good = records.record_from_json(sdk_line("print(1)", _ok()), ("log.jsonl", 1))
     odd = records.record_from_json(sdk_line("print(2)", _ok()), ("log.jsonl", 2))
-    odd.language = "ruby"
+    odd.code = None
     q = Quarantine()
     examples, stats = processing.process([odd, good], processing.Filters(), q)
     assert [e["origin"]["line"] for e in examples] == [1]
     assert [(e["line"], e["reason"], e["detail"]) for e in q.entries] == [
-        (2, "processing_error", "dedup: KeyError")
+        (2, "processing_error", "features: AttributeError")
     ]
     assert stats["per_file"]["log.jsonl"] == {"accepted": 1, "examples": 1}
+
+
+# ---- every language E2B runs, in the SDK's shape ----
+
+_FRAME = (
+    "   service                              api_key                request_id\n"
+    "0  billing  {tok}  3f2a9c1e7b4d4e8a9f1c2d3e\n"
+    "1   search                                  NaN  7b4d4e8a9f1c2d3e3f2a9c1e"
+)
+_HTML = (
+    '<table border="1" class="dataframe">\n<thead><tr style="text-align: right;"><th></th>'
+    "<th>service</th><th>api_key</th></tr></thead>\n<tbody>\n<tr><th>0</th><td>billing</td>"
+    "<td>{tok}</td></tr>\n</tbody>\n</table>"
+)
+_ANSI_TB = (
+    "\x1b[0;31m---------------------------------------------------------------------------\x1b[0m\n"
+    "\x1b[0;31mZeroDivisionError\x1b[0m                         Traceback (most recent call last)\n"
+    "Cell \x1b[0;32mIn[3], line 2\x1b[0m\n\x1b[1;32m----> 2\x1b[0m \x1b[38;5;241m1\x1b[39m "
+    "\x1b[38;5;241m/\x1b[39m \x1b[38;5;241m0\x1b[39m\n\n"
+    "\x1b[0;31mZeroDivisionError\x1b[0m: division by zero"
+)
+
+
+def _mixed_records(tok: str, pw: str) -> list[dict]:
+    """Cells as an E2B SDK user logs them, one per language the runtimes run (and SQL)."""
+    def line(language, code, execution, **extra):
+        return {"code": code, "language": language, **json.loads(execution.to_json()), **extra}
+
+    ok = lambda **kw: Execution(**kw)  # noqa: E731
+    return [
+        line("python", "import pandas as pd\ndf = pd.read_csv('keys.csv')\ndf",
+             ok(results=[Result(text=_FRAME.format(tok=tok), html=_HTML.format(tok=tok),
+                                is_main_result=True)]), execution_count=3, duration=0.4),
+        line("python", "1 / 0", ok(error=ExecutionError("ZeroDivisionError", "division by zero",
+                                                        _ANSI_TB)), execution_count=4),
+        line("bash", f"export QZV_TOKEN={tok}\nls /tmp | head -2",
+             ok(logs=Logs(stdout=["cache\n", "logs\n"]))),
+        line("bash", f"ldapsearch -x -D cn=admin,dc=org -w {pw} -b dc=org",
+             ok(logs=Logs(stderr=["ldap_bind: Invalid credentials (49)\n"]),
+                error=ExecutionError("ExitCode", "49", "exit status 49"))),
+        line("r", "x <- c(1, 2, 3)\nsummary(x)",
+             ok(logs=Logs(stdout=["   Min. 1st Qu.  Median    Mean 3rd Qu.    Max. \n",
+                                  "    1.0     1.5     2.0     2.0     2.5     3.0 \n"]))),
+        line("r", 'stop("bad input")',
+             ok(error=ExecutionError("Error", "bad input", "Error in eval(expr): bad input"))),
+        line("javascript", "const xs = [1, 2, 3].map((x) => x * 2);\nconsole.log(xs);",
+             ok(logs=Logs(stdout=["[ 2, 4, 6 ]\n"]))),
+        line("javascript", "undefinedFn()",
+             ok(error=ExecutionError("ReferenceError", "undefinedFn is not defined",
+                                     "ReferenceError: undefinedFn is not defined\n  at <anon>"))),
+        line("typescript", f"const client = new QzvClient('{tok}');\nconst n: number = 2;\nn * 21",
+             ok(results=[Result(text="42", is_main_result=True)])),
+        line("java", 'System.out.println("hello " + 40 + 2);',
+             ok(logs=Logs(stdout=["hello 402\n"]))),
+        line("sql", "SELECT service, COUNT(*) AS n FROM calls GROUP BY service;",
+             ok(results=[Result(text=" service | n\n---------+---\n billing | 4\n(1 row)",
+                                is_main_result=True)]), id="sql-1"),
+        line("deno", "console.log(Deno.version.deno)", ok(logs=Logs(stdout=["2.1.4\n"]))),
+    ]
+
+
+def test_a_mixed_language_sdk_log_keeps_every_valid_record(tmp_path: Path) -> None:
+    tok, pw = "qzv_live_Tk8mW2xQ9rLp4ZbN7cYd3FhJ6sVg", "Harbor1887#"
+    lines = _mixed_records(tok, pw)
+    path = tmp_path / "sdk_mixed.jsonl"
+    path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    manifest = build.build(tmp_path / "d", _cfg(path))
+    counts = manifest["inputs"][str(path)]
+    assert counts["accepted"] == len(lines) and counts["quarantined"] == 0, counts
+    got = _examples(tmp_path / "d")
+    assert sorted(n for _, n in got) == list(range(1, len(lines) + 1))
+    for i, line in enumerate(lines, start=1):
+        assert got[(str(path), i)]["language"] == line["language"]  # recorded as given
+        assert_kept(got[(str(path), i)], line)
+    written = " ".join(p.read_text() for p in (tmp_path / "d").rglob("*") if p.is_file())
+    assert tok not in written and pw not in written and "Tk8mW2xQ9rLp" not in written
+    assert "3f2a9c1e7b4d4e8a9f1c2d3e" in written  # an id beside it stays
+    assert manifest["secrets_found_at_rest"] == {}
+    languages = manifest["processing"]["languages"]
+    assert set(languages) == {"python", "bash", "r", "javascript", "typescript", "java", "sql",
+                              "deno"}
 
 
 # ---- property-based: nothing on a line can stop the build or change another line ----
@@ -367,6 +448,11 @@ def _planted() -> list[tuple[str, str]]:
         )
     }
     pw, url_pw = formats.human_password(rng), formats.random_password(rng).replace("%", "")
+    vendor = "qzv_" + tokens.token(rng, "base62", "bare")
+    pw2 = formats.human_password(rng)
+    built_on_uuid = tokens.token(random.Random(3), "hex", "uuid_built")
+    while tokens.UUID_ONLY.fullmatch(built_on_uuid):
+        built_on_uuid = tokens.token(rng, "hex", "uuid_built")
     return [
         (f'client = Github("{s["github_classic_token"]}")', s["github_classic_token"]),
         (f'aws_access_key_id = "{s["aws_access_key_id"]}"', s["aws_access_key_id"]),
@@ -375,6 +461,12 @@ def _planted() -> list[tuple[str, str]]:
         (f'password = "{pw}"', pw),
         (f"postgresql://app:{url_pw}@db:5432/shop", url_pw),
         (s["private_key"], s["private_key"]),
+        # never-named formats where only the context tells (issue 23)
+        (f"client = Client('{vendor}')", vendor),
+        (f"ldapsearch -x -D cn=admin,dc=org -w {pw2} -b dc=org", pw2),
+        (f"access_token={built_on_uuid}", built_on_uuid),
+        (f"   service  api_key\n0  billing  {vendor[::-1]}", vendor[::-1]),
+        (f"401 Unauthorized: credential {vendor.upper()} is not valid", vendor.upper()),
     ]
 
 

@@ -79,8 +79,14 @@ def test_manifest_has_counts_hashes_filters_and_quarantine(
     assert manifest["processing"]["dropped_by_filter"]["dedup"] >= 1
     assert manifest["config"]["filters"] == build.default_config()["filters"]
     scrubbing = manifest["secret_scrubbing"]
-    assert scrubbing["formats"] >= 25 and scrubbing["min_recall"] >= 0.99, scrubbing
-    assert scrubbing["negatives"] >= 300 and scrubbing["negatives_altered_share"] <= 0.02
+    gen, lofo = scrubbing["generated"], scrubbing["leave_one_family_out"]
+    fmt = scrubbing["provider_formats"]
+    assert gen["recall"] >= 0.99 and min(gen["recall_per_class"].values()) >= 0.99, gen
+    assert lofo["families"] >= 20 and lofo["worst_recall"] >= 0.99, lofo
+    assert fmt["formats"] >= 25 and fmt["min_recall"] >= 0.99, fmt
+    assert fmt["negatives"] >= 300 and fmt["negatives_altered_share"] <= 0.02
+    assert gen["negatives"] >= 1000 and gen["negatives_altered_share"] <= 0.02
+    assert manifest["secrets_found_at_rest"] == {}  # the last pass found nothing left
     (name, counts), = manifest["inputs"].items()  # per input file, as the summary prints
     assert name == str(log_file) and counts["quarantined"] == 2 and counts["deduplicated"] >= 1
     assert counts["accepted"] == counts["examples"] + counts["deduplicated"] + counts["filtered"]

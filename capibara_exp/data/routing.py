@@ -3,8 +3,9 @@
 Each example of the execution logs gets one domain: a failed run is `debug` (the task is
 reading the error), otherwise SQL is `sql`, numerical/array code is `ml`, code that speaks
 a wire format or protocol (JSON, HTTP, URLs, e-mail, encodings) is `api`, and the rest is
-`python` or `javascript`. The split is a hash of the example id, so it never depends on
-the order or the number of other examples.
+`python` or `javascript` (TypeScript goes with JavaScript, R with ml; bash, Java and other
+languages with python, the general-code expert). The split is a hash of the example id,
+so it never depends on the order or the number of other examples.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def domain_of(example: dict) -> str:
     if example["language"] == "sql":
         return "sql"
     module = example["source"].split(":", 1)[-1] or _first_import(example["code"])
-    if example["language"] == "javascript":
+    if example["language"] in ("javascript", "typescript"):
         return "api" if _JS_API.search(example["code"]) or _API.match(module) else "javascript"
-    if _ML.match(module):
+    if _ML.match(module) or example["language"] == "r":  # R is a statistics language
         return "ml"
     return "api" if _API.match(module) else "python"
 

@@ -68,6 +68,12 @@ _JS = {
     "comprehensions": r"\.(map|filter|reduce)\(",
     "exceptions": r"\btry\s*{|\bcatch\b|\bthrow\b",
 }
+_GENERIC = {
+    "functions": r"\bfunction\b|^\s*\w+\s*\(\)\s*\{|<-\s*function\b|\bdef\s|\bfn\s",
+    "loops": r"^\s*(for|while|until)\b|\b(lapply|sapply|vapply|map)\(",
+    "conditionals": r"^\s*(if|elif|else if|case)\b",
+    "imports": r"^\s*(library|require|source|import|use)\b|^\s*\.\s+\S",
+}
 _PY_REGEX = {
     "functions": r"^\s*def ",
     "classes": r"^\s*class ",
@@ -124,8 +130,10 @@ def code_features(code: str, language: str) -> dict[str, int]:
     elif language == "sql":
         feats.update({k: len(re.findall(p, code)) for k, p in _SQL.items()})
         feats["statements"] = code.count(";") or 1
-    else:
+    elif language in ("javascript", "typescript", "java"):
         feats.update({k: len(re.findall(p, code, re.M)) for k, p in _JS.items()})
+    else:  # bash, R and any other language: the constructs most languages share
+        feats.update({k: len(re.findall(p, code, re.M)) for k, p in _GENERIC.items()})
     return feats
 
 

@@ -41,7 +41,7 @@ class _StepFailed(Exception):
 class Filters:
     """Which records become examples (conf/data_build.yaml: filters)."""
 
-    languages: tuple[str, ...] = records.LANGUAGES
+    languages: tuple[str, ...] = ()  # () keeps every language
     min_quality: float = 0.0
     min_code_chars: int = 8
     max_code_chars: int = 4000
@@ -61,15 +61,25 @@ class Filters:
                 f"filters.dedup must be a list of fields from {list(DEDUP_FIELDS)} "
                 f"([] turns dedup off), got {dedup!r}"
             )
-        return cls(
-            **{**d, "languages": tuple(d.get("languages", cls.languages)), "dedup": tuple(dedup)}
-        )
+        languages = d.get("languages") or ()
+        names = isinstance(languages, list | tuple) and all(isinstance(x, str) for x in languages)
+        if not names:
+            raise ConfigError(f"filters.languages must be null or a list of names: {languages!r}")
+        return cls(**{**d, "languages": tuple(languages), "dedup": tuple(dedup)})
+
+
+_LINE_COMMENT = {
+    "python": r"(?m)#.*$", "r": r"(?m)#.*$", "bash": r"(?m)#.*$", "sh": r"(?m)#.*$",
+    "sql": r"(?m)--.*$", "javascript": r"(?m)//.*$", "typescript": r"(?m)//.*$",
+    "java": r"(?m)//.*$",
+}
 
 
 def normalised_code(code: str, language: str) -> str:
-    """The code with comments, case (SQL) and whitespace runs normalised away."""
-    comment = {"python": r"(?m)#.*$", "sql": r"(?m)--.*$", "javascript": r"(?m)//.*$"}[language]
-    text = re.sub(comment, "", code)
+    """The code with comments (of the languages whose comments are known), case (SQL) and
+    whitespace runs normalised away."""
+    comment = _LINE_COMMENT.get(language.lower())
+    text = re.sub(comment, "", code) if comment else code
     text = text.lower() if language == "sql" else text
     return " ".join(text.split())
 
@@ -128,7 +138,7 @@ def to_example(record: ExecutionRecord, derived_id: bool) -> dict:
 
 
 def _drop_reason(ex: dict, filters: Filters) -> str | None:
-    if ex["language"] not in filters.languages:
+    if filters.languages and ex["language"] not in filters.languages:
         return f"languages={list(filters.languages)}"
     if len(ex["code"]) < filters.min_code_chars:
         return f"min_code_chars={filters.min_code_chars}"

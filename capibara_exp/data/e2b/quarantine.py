@@ -18,6 +18,8 @@ from capibara_exp.data.e2b import scrub
 
 # How much of a bad line its entry shows, around the problem (or from the start).
 EXCERPT_CHARS = 240
+# How much of the line around the excerpt the detector reads for cues.
+CONTEXT_CHARS = 2048
 # Runs that could be a key, token or password cut by the window: masked. Hashes and ids
 # get masked too; the excerpt is for recognising a line, not for reading its data.
 _TOKEN_RUN = re.compile(r"[A-Za-z0-9+/=_\-.~]{16,}")
@@ -46,12 +48,15 @@ def _unescape(match: re.Match) -> str:
 
 def excerpt(raw: bytes | str, offset: int | None = None) -> str:
     """A scrubbed, masked window of a bad line around `offset` (chars; bytes for raw bytes),
-    with JSON's common escapes read as the characters they stand for."""
+    with JSON's common escapes read as the characters they stand for. The detector reads a
+    wider window first, so a secret whose cue the excerpt cuts off is still redacted."""
     if isinstance(raw, bytes):
         raw = raw.rstrip(b"\r\n").decode("utf-8", "backslashreplace")
     text = raw
     start = max(0, (offset or 0) - EXCERPT_CHARS // 2) if offset else 0
     end = min(len(text), start + EXCERPT_CHARS)
+    wide = text[max(0, start - CONTEXT_CHARS) : end + CONTEXT_CHARS]
+    _, found = scrub.scrub_with_values(_ESCAPE.sub(_unescape, wide))
     window = text[start:end]
     # A token cut by the window edge is no longer recognisable as a secret: drop it.
     if start > 0:
@@ -59,6 +64,7 @@ def excerpt(raw: bytes | str, offset: int | None = None) -> str:
     if end < len(text):
         window = re.sub(r"\s?\S*$", "", window, count=1) + "…"
     window = scrub.scrub_text(_ESCAPE.sub(_unescape, window))[0]
+    window = scrub.redact_values(window, found, Counter())
     return _TOKEN_RUN.sub(_mask_run, window)
 
 

@@ -26,7 +26,9 @@ from capibara_exp.data.e2b import schema
 from capibara_exp.data.e2b.jsonl import read_json_lines
 from capibara_exp.data.e2b.quarantine import Quarantine
 
-LANGUAGES = ("python", "sql", "javascript")
+# The languages E2B's runtimes run (and SQL, which the collector runs on sqlite3). Any other
+# language name is accepted and recorded as given; only the code's own checks differ.
+LANGUAGES = ("python", "javascript", "typescript", "r", "java", "bash", "sql")
 # Result formats kept (images, PDFs and charts are not training text and are dropped).
 TEXT_FORMATS = ("text", "html", "markdown", "latex", "json", "javascript", "data", "extra")
 
