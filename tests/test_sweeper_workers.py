@@ -104,9 +104,11 @@ def test_a_sweep_killed_mid_trial_resumes_without_losing_or_rerunning_trials(
     ran = [int(line.split()[1]) for line in log.read_text().splitlines()]
     assert len(ran) == len(set(ran))  # no trial ran twice
     s = optuna.load_study(study_name="shared", storage=optuna_study.open_storage(url))
-    assert len(s.trials) == N_TRIALS  # the total is the study's, across both runs
+    assert len(study.counted(s)) == N_TRIALS  # the total is the study's, across both runs
     assert s.trials[killed].state == TrialState.FAIL
     assert s.trials[killed].user_attrs[study.ERROR] == study.ORPHANED
+    (retry,) = [t for t in s.trials if t.system_attrs.get("failed_trial") == killed]
+    assert retry.params == s.trials[killed].params and retry.number in ran  # it ran again
     assert all(t.state == TrialState.COMPLETE for t in s.trials if t.number != killed)
 
 
