@@ -254,6 +254,8 @@ def _run_batch(sweep: _Sweep, asked: list[optuna.Trial]) -> None:
     s, opened = sweep.settings, sweep.opened
     jobs = [(trials_lib.overrides(opened.study, t, sweep.space, s, sweep.url, sweep.pruning,
                                   sweep.sweep_dir), t.number) for t in asked]
+    if len(jobs) > 1:
+        sweep.report(f"trials {', '.join(str(t.number) for t in asked)} launched together")
     with contextlib.ExitStack() as beating:
         for trial in asked:
             beating.enter_context(optuna_study.heartbeat(opened, trial.number))
