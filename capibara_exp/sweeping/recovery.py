@@ -41,6 +41,7 @@ ERROR = "error"
 ORPHANED = "its process died"
 STALE = "no heartbeat within the grace period: its machine or process died"
 PREEMPTED = "preempted (its job exited 75)"
+PRUNED_AT = "pruned_at_step"  # set on the trial by its job's pruning action
 RUN_DIR = "run_dir"  # where a trial's job ran: its retry resumes there
 # What a retry keeps of its trial's user attributes (Optuna's callback copies them all):
 # the run dir to resume, and the pruner's options; not the pid, host or error of the dead.
@@ -165,17 +166,28 @@ def keep(sweep_dir: Path, number: int, result: Mapping[str, Any]) -> Path:
     return path
 
 
+def settled(record: Mapping[str, Any],
+            trial: optuna.trial.FrozenTrial) -> tuple[TrialState, Any]:
+    """(state, values) to tell for a job's result `record` on `trial` as the storage holds
+    it: a job its pruner stopped (PRUNED_AT on the trial) ends PRUNED with its last value."""
+    state = TrialState[record["state"]]
+    if state == TrialState.COMPLETE and PRUNED_AT in trial.user_attrs:
+        return TrialState.PRUNED, None
+    return state, record.get("values")
+
+
 def tell_kept(opened: optuna_study.OpenStudy, record: Mapping[str, Any]) -> str:
     """Tell the storage a kept result; what became of it, in words."""
     trial = opened.trial(record["number"])
-    state = TrialState[record["state"]]
     attrs = dict(record.get("attrs") or {})
     if not trial.state.is_finished():
         trial_id = opened.trial_id(trial.number)
         for key, value in attrs.items():
             opened.storage.set_trial_user_attr(trial_id, key, value)
-        opened.study.tell(trial.number, record.get("values"), state=state)
+        state, values = settled(record, trial)
+        opened.study.tell(trial.number, values, state=state)
         return "told"
+    state = TrialState[record["state"]]
     retries = [t for t in opened.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                if trial.number in _retry_history(t)]
     if state != TrialState.COMPLETE or not retries:

@@ -38,7 +38,14 @@ from capibara_exp.sweeping.recovery import (
     fail_orphans,
     fail_stale,
 )
-from capibara_exp.sweeping.results import NOT_RUN, RESULTS, counted, summary, write_results
+from capibara_exp.sweeping.results import (
+    NOT_RUN,
+    RESULTS,
+    RETRIED,
+    counted,
+    summary,
+    write_results,
+)
 from capibara_exp.sweeping.sampler import PerTrialSeedSampler
 from capibara_exp.sweeping.storage import HEARTBEAT_S, heartbeat_interval, storage_url
 from capibara_exp.sweeping.storage import open_storage as _open_storage
@@ -52,8 +59,8 @@ from capibara_exp.sweeping.trials import (
 )
 
 __all__ = ["CACHE_KEY", "ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "PREEMPTED", "PRUNED_AT",
-           "PRUNER_OPTIONS", "RESULTS", "STALE", "STORAGE_ENV", "SweepSettings", "counted",
-           "fail_orphans", "fail_stale", "heartbeat_interval", "job_overrides", "open_study",
+           "PRUNER_OPTIONS", "RESULTS", "RETRIED", "STALE", "STORAGE_ENV", "SweepSettings",
+           "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "job_overrides", "open_study",
            "run", "storage_url", "summary", "trial_override", "write_results"]
 
 log = logging.getLogger(__name__)

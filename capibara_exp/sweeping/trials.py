@@ -18,14 +18,13 @@ from capibara_exp import optuna_study
 from capibara_exp.errors import PREEMPTED_EXIT_CODE
 from capibara_exp.sweeping import recovery
 from capibara_exp.sweeping import space as space_lib
-from capibara_exp.sweeping.recovery import ERROR, RUN_DIR
+from capibara_exp.sweeping.recovery import ERROR, PRUNED_AT, RUN_DIR
 
 if TYPE_CHECKING:
     from capibara_exp.sweeping.study import SweepSettings
 
 log = logging.getLogger(__name__)
 
-PRUNED_AT = "pruned_at_step"
 PRUNER_OPTIONS = "pruner_options"  # a trial's job rebuilds its sweep's pruner with these
 CACHE_KEY = "compilation_cache_dir"
 SUBDIR_KEY = "hydra.sweep.subdir"  # the job's run dir under the sweep dir
@@ -85,37 +84,45 @@ def preempted(err: BaseException) -> bool:
     return isinstance(err, SystemExit) and err.code == PREEMPTED_EXIT_CODE
 
 
-def finish(opened: optuna_study.OpenStudy, trial: optuna.Trial, outcome: Any,
-           metrics: Sequence[str], sweep_dir: Path, max_retries: int) -> None:
-    """Tell the storage how the trial's job ended: `outcome` is its return value or the
-    exception it raised. The result is kept on disk (recovery.keep) until the storage has
-    it; a preempted job's trial is retried, not failed."""
+def result(outcome: Any, metrics: Sequence[str]) -> dict[str, Any]:
+    """What a job's `outcome` (its return value, or the exception it raised) tells the
+    study: state, values and user attributes, before the storage is asked anything."""
     from capibara_exp.sweeping.study import values_of  # the study module imports this one
 
+    if isinstance(outcome, BaseException):
+        error = f"{type(outcome).__name__}: {outcome}"[:2000]
+        return {"state": TrialState.FAIL.name, "values": None, "attrs": {ERROR: error}}
+    try:
+        values = values_of(outcome, metrics)
+    except Exception as err:  # a job that returned no metrics is a failed trial
+        error = f"{type(err).__name__}: {err}"[:2000]
+        return {"state": TrialState.FAIL.name, "values": None, "attrs": {ERROR: error}}
+    if not all(math.isfinite(v) for v in values):
+        return {"state": TrialState.FAIL.name, "values": None,
+                "attrs": {ERROR: f"non-finite objective {values}"}}
+    return {"state": TrialState.COMPLETE.name, "values": values, "attrs": {}}
+
+
+def finish(opened: optuna_study.OpenStudy, trial: optuna.Trial, outcome: Any,
+           metrics: Sequence[str], sweep_dir: Path, max_retries: int) -> None:
+    """Tell the storage how the trial's job ended. The result is written to disk first
+    (recovery.keep) and stays there until the storage has it; a preempted job's trial is
+    retried, not failed."""
+    if isinstance(outcome, BaseException) and preempted(outcome):
+        frozen = opened.trial(trial.number)
+        if not frozen.state.is_finished():
+            recovery.fail_and_retry(opened, frozen, recovery.PREEMPTED, max_retries)
+        return
+    record = result(outcome, metrics)
+    kept = recovery.keep(sweep_dir, trial.number, record)
     frozen = opened.trial(trial.number)  # as the job and the other workers left it
     if frozen.state.is_finished():  # another worker failed it: its heartbeat came too late
         log.warning("trial %d was failed by another worker while it ran (%s); its result is "
                     "dropped: raise hydra.sweeper.grace_period if heartbeats can be that late",
                     trial.number, frozen.user_attrs.get(ERROR, "no reason recorded"))
-        return
-    if isinstance(outcome, BaseException) and preempted(outcome):
-        recovery.fail_and_retry(opened, frozen, recovery.PREEMPTED, max_retries)
-        return
-    state, values, attrs = TrialState.COMPLETE, None, {}
-    if isinstance(outcome, BaseException):
-        state, attrs = TrialState.FAIL, {ERROR: f"{type(outcome).__name__}: {outcome}"[:2000]}
     else:
-        try:
-            values = values_of(outcome, metrics)
-        except Exception as err:  # a job that returned no metrics is a failed trial
-            state, attrs = TrialState.FAIL, {ERROR: f"{type(err).__name__}: {err}"[:2000]}
-    if state == TrialState.COMPLETE and PRUNED_AT in frozen.user_attrs:
-        state, values = TrialState.PRUNED, None
-    elif state == TrialState.COMPLETE and not all(math.isfinite(v) for v in values):
-        state, values, attrs = TrialState.FAIL, None, {ERROR: f"non-finite objective {values}"}
-    kept = recovery.keep(sweep_dir, trial.number,
-                         {"state": state.name, "values": values, "attrs": attrs})
-    optuna_study.tell(opened.study, trial, values, state=state, attrs=attrs)
+        state, values = recovery.settled(record, frozen)
+        optuna_study.tell(opened.study, trial, values, state=state, attrs=record["attrs"])
     kept.unlink(missing_ok=True)
 
 
