@@ -60,8 +60,8 @@ from capibara_exp.sweeping.trials import (
 
 __all__ = ["CACHE_KEY", "ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "PREEMPTED", "PRUNED_AT",
            "PRUNER_OPTIONS", "RESULTS", "RETRIED", "STALE", "STORAGE_ENV", "SweepSettings",
-           "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "job_overrides", "open_study",
-           "run", "storage_url", "summary", "trial_override", "write_results"]
+           "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "job_overrides",
+           "open_study", "run", "storage_url", "summary", "trial_override", "write_results"]
 
 log = logging.getLogger(__name__)
 
