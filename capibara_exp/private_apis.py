@@ -6,9 +6,10 @@ the library removes or changes it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import optuna
+if TYPE_CHECKING:
+    import optuna
 
 
 class PrivateUse(NamedTuple):
@@ -25,6 +26,18 @@ USES = (
         "first, after which the storage refuses to record on the trial why it failed; the "
         "sweep's failure rate and its reports tell a dead machine's trial from a failing "
         "job by that reason."),
+    PrivateUse(
+        "jax._src.distributed", "State.initialize",
+        "jax.distributed.initialize keeps the coordination service's client on "
+        "jax._src.distributed.global_state.client; JAX's public API offers no other way to it "
+        "(see the next use)."),
+    PrivateUse(
+        "jaxlib._jax", "DistributedRuntimeClient.get_live_nodes",
+        "which processes still send heartbeats to JAX's coordination service. JAX's public "
+        "API has no such query, and a collective that includes a dead process hangs until "
+        "Gloo or the service's own abort ends it, without naming the process; "
+        "launch/distributed.py asks it from a thread, to stop every process with one line "
+        "naming the lost one."),
 )
 
 
@@ -32,3 +45,11 @@ def stale_trial_ids(storage: optuna.storages.RDBStorage, study_id: int) -> list[
     """The ids of the study's RUNNING trials whose last heartbeat, by the database's clock,
     is older than the storage's grace period (see USES)."""
     return storage._get_stale_trial_ids(study_id)
+
+
+def distributed_client() -> object | None:
+    """JAX's coordination-service client in this process (None before
+    jax.distributed.initialize): `get_live_nodes(process_ids)` -> {id: incarnation} (see USES)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -51,6 +51,19 @@ def test_the_stale_trial_query_still_takes_a_study_id() -> None:
         f"{importlib.metadata.version('optuna')}, not (self, study_id): update private_apis.py")
 
 
+def test_jax_keeps_its_coordination_client_where_distributed_client_reads_it() -> None:
+    from jax._src import distributed
+
+    assert hasattr(distributed.global_state, "client"), (
+        "jax._src.distributed.global_state.client is gone in jax "
+        f"{importlib.metadata.version('jax')}: update private_apis.distributed_client")
+    assert private_apis.distributed_client() is None  # nothing joined in this process
+    doc = _resolve(private_apis.USES[2]).__doc__ or ""
+    assert "process_ids" in doc and "dict[int, int]" in doc, (
+        f"DistributedRuntimeClient.get_live_nodes changed: {doc.splitlines()[:1]}; update "
+        "launch/distributed.py's peer check")
+
+
 def _private_uses(path: Path) -> list[str]:
     """`obj._name` and imports of `_module`s or `_name`s from other packages in one file."""
     found = []
