@@ -32,12 +32,12 @@ USES = (
         "jax._src.distributed.global_state.client; JAX's public API offers no other way to it "
         "(see the next use)."),
     PrivateUse(
-        "jaxlib._jax", "DistributedRuntimeClient.get_live_nodes",
-        "which processes still send heartbeats to JAX's coordination service. JAX's public "
-        "API has no such query, and a collective that includes a dead process hangs until "
-        "Gloo or the service's own abort ends it, without naming the process; "
-        "launch/distributed.py asks it from a thread, to stop every process with one line "
-        "naming the lost one."),
+        "jaxlib._jax", "DistributedRuntimeClient.key_value_try_get",
+        "the key-value store of JAX's coordination service, which every process of a run "
+        "reaches without a collective: each raises a counter there and reads the others' "
+        "(launch/peers.py), and says which process it lost, with exit 75, before the "
+        "service's heartbeat timeout aborts them all naming nobody; a collective that "
+        "includes a dead process only hangs. JAX's public API has no such store."),
 )
 
 
@@ -49,7 +49,8 @@ def stale_trial_ids(storage: optuna.storages.RDBStorage, study_id: int) -> list[
 
 def distributed_client() -> object | None:
     """JAX's coordination-service client in this process (None before
-    jax.distributed.initialize): `get_live_nodes(process_ids)` -> {id: incarnation} (see USES)."""
+    jax.distributed.initialize): `key_value_set(key, value, allow_overwrite)`,
+    `key_value_try_get(key)`, `blocking_key_value_get(key, timeout_ms)` (see USES)."""
     from jax._src import distributed
 
     return distributed.global_state.client

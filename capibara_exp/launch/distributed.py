@@ -14,6 +14,7 @@ naming it and exit status 75, from which the launch script's restart loop resume
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
@@ -59,23 +60,27 @@ def initialize(settings: Any) -> bool:
         return False
     import jax
 
-    # A lost process is then reported by the others (peers.watched: one line naming it, exit
-    # 75) instead of aborting them all from the service's error poll, naming nobody.
-    jax.config.update("jax_enable_recoverability", True)
     kwargs = timeouts(settings)
     if settings.mode == "explicit":
         local = list(settings.local_device_ids) if settings.get("local_device_ids") else None
         kwargs.update(coordinator_address=settings.coordinator_address,
                       num_processes=int(settings.num_processes),
                       process_id=int(settings.process_id), local_device_ids=local)
+    where = (f"process {settings.process_id} of {settings.num_processes}"
+             if settings.mode == "explicit" else "this process")
+    timeout_s = kwargs.get("initialization_timeout", 300)
+    late = f"{where}: the processes did not all join within " \
+           f"distributed.initialization_timeout_s={timeout_s} s"
+    # JAX aborts the process at its own deadline, naming nobody: say it first, just before.
+    timer = threading.Timer(max(0.5, timeout_s - 1.0), stop, args=(late,))
+    timer.daemon = True
+    timer.start()
     try:
         jax.distributed.initialize(**kwargs)
-    except Exception as err:  # JAX's error for a peer that never came (deadline exceeded)
-        where = (f"process {settings.process_id} of {settings.num_processes}"
-                 if settings.mode == "explicit" else "this process")
-        stop(f"{where}: the processes did not all join within "
-             f"distributed.initialization_timeout_s={kwargs.get('initialization_timeout', 300)}"
-             f" s ({first_line(err)})")
+    except Exception as err:  # the coordinator refused, or JAX raised at its deadline
+        stop(f"{late} ({first_line(err)})")
+    finally:
+        timer.cancel()
     return True
 
 

@@ -10,12 +10,13 @@ cache is turned off for the run on every process, so that all compile alike. Whe
 cache is shared and keyed alike on every host (a TPU slice's shared directory), every
 process reads it and it stays on.
 
-Stopping: `watched` asks JAX's coordination service every distributed.peer_check_s which
-processes still send heartbeats; when one stops (it died, or its machine did), or the
-service itself is gone (process 0 died), every process prints one line naming it and
-exits 75 within distributed.heartbeat_timeout_s plus that period. Without it the others
-hang in their next collective until the service's heartbeat timeout aborts them with a
-stack trace that names no process.
+Stopping: every distributed.peer_check_s each process raises a counter of its own in JAX's
+coordination service (its key-value store) and reads the others'; when one has not moved
+for half distributed.heartbeat_timeout_s (the process died, or its machine did), or the
+service itself is gone (process 0 died), the process prints one line naming the lost one
+and exits 75. Without it the others hang in their next collective until the service's
+heartbeat timeout aborts them with a stack trace that names no process: half that timeout
+says it first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +91,40 @@ def lost_peer(err: BaseException) -> bool:
         word in str(err) for word in LOST_PEER)
 
 
+class _Beats:
+    """Each process's heartbeat in the coordination service's key-value store: a counter it
+    raises every check, or "done" once it has left the watched block."""
+
+    def __init__(self, client: Any, me: int, n: int, lost_after_s: float):
+        self.client, self.me, self.n, self.lost_after_s = client, me, n, lost_after_s
+        self.count = 0
+        self.seen: dict[int, tuple[str, float]] = {}  # peer -> (its last beat, when it moved)
+
+    def beat(self, value: str | None = None) -> None:
+        self.count += 1
+        self.client.key_value_set(f"capibara_exp/beat/{self.me}", value or str(self.count),
+                                  allow_overwrite=True)
+
+    def lost(self) -> list[int]:
+        """The peers whose beat has not moved for lost_after_s (by this process's clock)."""
+        now, lost = time.monotonic(), []
+        for peer in range(self.n):
+            if peer == self.me:
+                continue
+            try:
+                value = self.client.key_value_try_get(f"capibara_exp/beat/{peer}")
+            except Exception as err:  # a peer that has not beaten yet is not found
+                if "NOT_FOUND" not in str(err):
+                    raise
+                value = ""
+            last = self.seen.get(peer)
+            if last is None or last[0] != value:
+                self.seen[peer] = (value, now)
+            elif value != "done" and now - last[1] > self.lost_after_s:
+                lost.append(peer)
+        return lost
+
+
 @contextlib.contextmanager
 def watched(settings: Any) -> Iterator[None]:
     """Stop this process with one line and exit 75 when another process of the run is lost
@@ -98,25 +134,28 @@ def watched(settings: Any) -> Iterator[None]:
     if jax.process_count() == 1:
         yield
         return
-    client = private_apis.distributed_client()
     me, n = jax.process_index(), jax.process_count()
+    # Half JAX's heartbeat timeout: found and said before the service aborts everyone.
+    timeout_s = int(settings.get("heartbeat_timeout_s") or 100)
+    beats = _Beats(private_apis.distributed_client(), me, n, timeout_s / 2)
     where, done = f"process {me} of {n}", threading.Event()
 
     def watch() -> None:
         while not done.wait(float(settings.get("peer_check_s") or 5)):
             try:
-                live = client.get_live_nodes(list(range(n)))
+                beats.beat()
+                lost = beats.lost()
             except Exception as err:
                 if not done.is_set():
                     stop(f"{where}: JAX's coordination service (process 0) is gone "
                          f"({first_line(err)})")
                 return
-            lost = [str(i) for i in range(n) if i not in live]
             if lost and not done.is_set():
-                stop(f"{where}: process {', '.join(lost)} stopped sending heartbeats for "
-                     f"distributed.heartbeat_timeout_s={settings.get('heartbeat_timeout_s')} s "
-                     "(it died, or its machine did)")
+                stop(f"{where}: process {', '.join(map(str, lost))} stopped for "
+                     f"{beats.lost_after_s:.0f} s (half distributed.heartbeat_timeout_s="
+                     f"{timeout_s}): it died, or its machine did")
 
+    beats.beat()
     thread = threading.Thread(target=watch, name="capibara-peers", daemon=True)
     thread.start()
     try:
@@ -127,3 +166,4 @@ def watched(settings: Any) -> Iterator[None]:
         raise
     finally:
         done.set()
+    beats.beat("done")  # a peer still at work does not take this one's end for a death

@@ -82,6 +82,8 @@ def fail_and_retry(opened: optuna_study.OpenStudy, trial: optuna.trial.FrozenTri
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs: a killed worker that its parent (the sweep
+    that started it) has not reaped yet is a zombie, and dead."""
     if pid <= 0:
         return False
     try:
@@ -90,7 +92,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: the state after the command's closing parenthesis; Z is a zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def orphaned(trial: optuna.trial.FrozenTrial) -> bool:
