@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import optuna
+
 from capibara_exp import optuna_study
 from tests.test_sweeper_faults import lines, start_workers, wait_for
 from tests.test_sweeper_workers import PostgresServer, serve_postgres
@@ -30,10 +32,16 @@ def running(sweep_dir: Path, but: set[str]) -> tuple[str, str, str]:
 
 def killed_until_failed(url: str, procs: list, sweep_dir: Path, but: set[str],
                         elsewhere: bool) -> tuple[str, float, float]:
-    pid, number, x = running(sweep_dir, but)
     opened = optuna_study.load(optuna_study.open_storage(url), "faults")
-    if elsewhere:  # another machine's trial: this host's pid check cannot see it die
-        opened.storage.set_trial_user_attr(opened.trial_id(int(number)), "host", "elsewhere")
+    while True:
+        pid, number, x = running(sweep_dir, but)
+        try:  # another machine's trial: this host's pid check cannot see it die
+            if elsewhere:
+                opened.storage.set_trial_user_attr(opened.trial_id(int(number)), "host",
+                                                   "elsewhere")
+            break
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # it finished meanwhile: take the next running one
     next(p for p in procs if p.pid == int(pid)).send_signal(signal.SIGKILL)
     start = time.monotonic()
     wait_for(lambda: opened.trial(int(number)).state.is_finished(), "the kill's FAIL")

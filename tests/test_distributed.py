@@ -192,9 +192,13 @@ def test_two_processes_survive_a_warm_cache_and_a_killed_peer_then_resume_bitwis
     killed_out, _ = procs[1].communicate(timeout=60)
     out, _ = procs[0].communicate(timeout=600)  # a hang here is the failure
     assert procs[0].returncode == 75, out[-3000:]
-    said = [line for line in out.splitlines() if "process 1 stopped for 5 s" in line]
-    assert len(said) == 1 and said[0].startswith("capibara-exp: process 0 of 2: "), out[-3000:]
-    assert "exiting 75: a restart resumes from the newest checkpoint" in said[0]
+    # The cause, whichever sees it first: the step's collective (Gloo: connection reset) or
+    # the peer's counter in the coordination service, still for half the heartbeat timeout.
+    said = [line for line in out.splitlines() if line.startswith("capibara-exp: process 0 of 2: ")
+            and "exiting 75: a restart resumes from the newest checkpoint" in line]
+    assert len(said) == 1, out[-3000:]
+    assert ("process 1 stopped for 5 s" in said[0]
+            or "a collective with process 1 failed" in said[0]), said
     assert _compiled_step(out) == _compiled_step(killed_out), (out[-2000:], killed_out[-2000:])
 
     # The restart (as the launch script's loop runs it) resumes and ends where the

@@ -704,3 +704,35 @@ def test_trials_in_one_process_replay_the_batches_a_new_pipeline_makes(data_dir:
     assert not np.array_equal(other_seed[0]["decoder_target_tokens"],
                               fresh[0]["decoder_target_tokens"])
     assert unseeded[0] is not unseeded_again[0]
+
+
+def test_a_retry_runs_in_its_trials_run_dir_and_resumes_there(tmp_path: Path) -> None:
+    """A dead process's trial is retried in the run dir it had (the job resumes from its
+    checkpoints there); a retry whose run dir is unreachable from here gets its own."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    url = study.storage_url(None, tmp_path)
+    x = space.parse(["x=interval(0, 1)"])
+    opened = study.open_study(settings(), url, x)
+    kept_dir = tmp_path / "shared" / "0"
+    kept_dir.mkdir(parents=True)
+    for number, where in ((0, kept_dir), (1, tmp_path / "another-machine" / "1")):
+        trial = study._ask(opened, x)
+        assert trial.number == number
+        trial.set_user_attr("host", os.uname().nodename)
+        trial.set_user_attr("pid", int(dead.stdout))
+        trial.set_user_attr("run_dir", str(where))
+    subdirs: dict[int, str] = {}
+
+    def job(overrides, number):
+        subdirs[number] = next(o.split("=", 1)[1] for o in overrides
+                               if o.startswith("hydra.sweep.subdir="))
+        return quadratic(overrides, number)
+
+    s = study.run(settings(n_trials=2), job, tmp_path)
+    retries = {t.system_attrs["failed_trial"]: t.number for t in s.trials
+               if "failed_trial" in t.system_attrs}
+    assert sorted(retries) == [0, 1] and len(study.counted(s)) == 2
+    assert subdirs[retries[0]] == str(kept_dir)  # resumes where trial 0 ran
+    assert subdirs[retries[1]] == str(tmp_path.absolute() / str(retries[1]))
+    assert s.trials[retries[1]].user_attrs["run_dir"] == subdirs[retries[1]]

@@ -162,7 +162,9 @@ def watched(settings: Any) -> Iterator[None]:
         yield
     except Exception as err:
         if lost_peer(err):
-            stop(f"{where}: a collective lost its peers ({first_line(err)})")
+            others = ", ".join(str(i) for i in range(n) if i != me)
+            stop(f"{where}: a collective with process {others} failed: it died, or its "
+                 f"machine did ({first_line(err)})")
         raise
     finally:
         done.set()
