@@ -230,36 +230,49 @@ def fail(opened: OpenStudy, number: int, attrs: Mapping[str, Any] | None = None)
 
 
 @contextlib.contextmanager
-def heartbeat(opened: OpenStudy, number: int) -> Iterator[None]:
-    """Record trial `number`'s heartbeat every interval while the block runs (nothing on a
-    storage without heartbeats)."""
-    interval = heartbeat_s(opened.storage)
-    if not interval:
-        yield
-        return
-    storage, trial_id, stop = opened.storage, opened.trial_id(number), threading.Event()
+def repeating(fn: Callable[[], object], period_s: float, name: str,
+              first_now: bool = False) -> Iterator[None]:
+    """Call fn() in a thread every period_s seconds (and at once if first_now) while the
+    block runs; the thread is stopped and joined when it ends. fn handles its own errors."""
+    stop = threading.Event()
 
-    def beat() -> None:
-        failing = False
-        while True:
-            try:  # a database away (or anything else) must not end the heartbeats
-                storage.record_heartbeat(trial_id)
-                failing = False
-            except Exception as err:
-                if not failing:
-                    log.warning("trial %d: heartbeat not recorded (%s: %s); trying again",
-                                number, type(err).__name__, str(err).splitlines()[0][:200])
-                failing = True
-            if stop.wait(interval):
-                return
+    def loop() -> None:
+        if first_now:
+            fn()
+        while not stop.wait(period_s):
+            fn()
 
-    thread = threading.Thread(target=beat, name=f"heartbeat-{number}", daemon=True)
+    thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
+
+
+@contextlib.contextmanager
+def heartbeat(opened: OpenStudy, number: int) -> Iterator[None]:
+    """Record trial `number`'s heartbeat every interval while the block runs (nothing on a
+    storage without heartbeats); a failing beat (the database away) is tried again."""
+    interval = heartbeat_s(opened.storage)
+    if not interval:
+        yield
+        return
+    storage, trial_id, failing = opened.storage, opened.trial_id(number), [False]
+
+    def beat() -> None:
+        try:  # a database away (or anything else) must not end the heartbeats
+            storage.record_heartbeat(trial_id)
+            failing[0] = False
+        except Exception as err:
+            if not failing[0]:
+                log.warning("trial %d: heartbeat not recorded (%s: %s); trying again",
+                            number, type(err).__name__, str(err).splitlines()[0][:200])
+            failing[0] = True
+
+    with repeating(beat, interval, f"heartbeat-{number}", first_now=True):
+        yield
 
 
 def grace_period_s(storage: optuna.storages.BaseStorage) -> int | None:

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -134,22 +133,15 @@ def watching(opened: optuna_study.OpenStudy, max_retries: int, period_s: float,
              outage: Outage | None = None) -> Iterator[None]:
     """Check for dead trials every period_s seconds while the block runs (in a thread: the
     block may be a trial's job, or a wait for the peers' trials)."""
-    stop = threading.Event()
 
     def check() -> None:
-        while not stop.wait(period_s):
-            try:
-                check_dead(opened, max_retries, outage)
-            except Exception as err:  # the storage away, a race with a peer: try again
-                log.debug("dead-trial check: %s: %s", type(err).__name__, err)
+        try:
+            check_dead(opened, max_retries, outage)
+        except Exception as err:  # the storage away, a race with a peer: try again
+            log.debug("dead-trial check: %s: %s", type(err).__name__, err)
 
-    thread = threading.Thread(target=check, name="sweep-dead-trials", daemon=True)
-    thread.start()
-    try:
+    with optuna_study.repeating(check, period_s, "sweep-dead-trials"):
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def watch_period_s(heartbeat_s: int | None) -> float:
