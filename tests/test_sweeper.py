@@ -736,3 +736,28 @@ def test_a_retry_runs_in_its_trials_run_dir_and_resumes_there(tmp_path: Path) ->
     assert subdirs[retries[0]] == str(kept_dir)  # resumes where trial 0 ran
     assert subdirs[retries[1]] == str(tmp_path.absolute() / str(retries[1]))
     assert s.trials[retries[1]].user_attrs["run_dir"] == subdirs[retries[1]]
+
+
+def test_a_preempted_trial_is_retried_not_failed(tmp_path: Path) -> None:
+    """A job preempted in this process (it saved its step; errors.Preempted, exit 75) ends
+    the worker with 75 after its trial is failed as preempted and retried; the next run
+    runs the retry first, and the preemption counts neither toward n_trials nor as a
+    failure."""
+    from capibara_exp.errors import PREEMPTED_EXIT_CODE, Preempted
+
+    def preempted_once(overrides, number):
+        if number == 1:
+            raise Preempted("SIGTERM: saved step 40")
+        return quadratic(overrides, number)
+
+    cfg = settings(n_trials=3, max_failure_rate=0.0)
+    with pytest.raises(SystemExit) as stop:
+        study.run(cfg, preempted_once, tmp_path)
+    assert stop.value.code == PREEMPTED_EXIT_CODE
+    s = study.run(cfg, preempted_once, tmp_path)  # the restart
+    assert s.trials[1].state == TrialState.FAIL
+    assert s.trials[1].user_attrs[study.ERROR] == study.PREEMPTED
+    (retry,) = [t for t in s.trials if t.system_attrs.get("failed_trial") == 1]
+    assert retry.number == 2 and retry.state == TrialState.COMPLETE
+    assert retry.params == s.trials[1].params
+    assert [t.state for t in study.counted(s)] == [TrialState.COMPLETE] * 3
