@@ -34,6 +34,7 @@ def worker(url: str, sweep_dir: str, n_trials: int, sleep_s: float) -> None:
     `go` (all workers start at once), logs `start PID N X` and `end PID N` around each job,
     and writes the results at its end, as the sweeper's end does."""
     log, go = Path(sweep_dir) / "ran.log", Path(sweep_dir) / "go"
+    (Path(sweep_dir) / f"ready-{os.getpid()}").touch()
     while not go.exists():
         time.sleep(0.01)
 
@@ -59,7 +60,7 @@ def start_workers(url: str, sweep_dir: Path, n: int, n_trials: int,
     procs = [subprocess.Popen([sys.executable, "-c", code, url, str(sweep_dir), str(n_trials),
                                str(sleep_s)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
              for _ in range(n)]
-    time.sleep(3)  # all imported and waiting at the barrier (a late one only starts later)
+    wait_for(lambda: len(list(sweep_dir.glob("ready-*"))) == n, "every worker at the barrier")
     (sweep_dir / "go").touch()
     return procs
 
