@@ -24,7 +24,7 @@ class OptunaPruning(BaseAction):
     """After each evaluation: trial.report(metric, step); True (stop) when the pruner says so."""
 
     def __init__(self, storage: str, study_name: str, number: int, metric: str, pruner: str):
-        outage = retry.Outage(redacted(storage), REPORT_RETRY_S)
+        outage = retry.Outage(redacted(storage), REPORT_RETRY_S, "a pruning report's wait")
         inner = retry.call(outage, lambda: optuna_study.open_storage(storage), "opening it")
         opened = optuna_study.load(retry.RetryingStorage(inner, outage), study_name,
                                    optuna_study.make_pruner(pruner, key=PRUNER_KEY))

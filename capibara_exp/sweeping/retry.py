@@ -55,8 +55,9 @@ class Outage:
     """How long the storage has been away, shared by a process's threads, so that the
     outage is reported once, not per call; `back_at` (monotonic) is when it last returned."""
 
-    def __init__(self, what: str, retry_s: float, say: Callable[[str], None] = _say):
-        self.what, self.retry_s, self.say = what, retry_s, say
+    def __init__(self, what: str, retry_s: float, key: str = "hydra.sweeper.storage_retry_s",
+                 say: Callable[[str], None] = _say):
+        self.what, self.retry_s, self.key, self.say = what, retry_s, key, say
         self.lock = threading.Lock()
         self.since: float | None = None
         self.back_at: float | None = None  # when it last came back (monotonic)
@@ -68,7 +69,7 @@ class Outage:
                 first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
                 self.say(f"the study's storage ({self.what}) is unreachable "
                          f"({type(err).__name__}: {first}); retrying for up to "
-                         f"{self.retry_s:.0f} s (hydra.sweeper.storage_retry_s)")
+                         f"{self.retry_s:.0f} s ({self.key})")
 
     def succeeded(self) -> None:
         if self.since is None:  # the common case, without taking the lock

@@ -19,6 +19,7 @@ from capibara_exp.errors import PREEMPTED_EXIT_CODE
 from capibara_exp.sweeping import recovery
 from capibara_exp.sweeping import space as space_lib
 from capibara_exp.sweeping.recovery import ERROR, PRUNED_AT, RUN_DIR
+from capibara_exp.sweeping.retry import StorageUnavailable
 
 if TYPE_CHECKING:
     from capibara_exp.sweeping.study import SweepSettings
@@ -115,14 +116,18 @@ def finish(opened: optuna_study.OpenStudy, trial: optuna.Trial, outcome: Any,
         return
     record = result(outcome, metrics)
     kept = recovery.keep(sweep_dir, trial.number, record)
-    frozen = opened.trial(trial.number)  # as the job and the other workers left it
-    if frozen.state.is_finished():  # another worker failed it: its heartbeat came too late
-        log.warning("trial %d was failed by another worker while it ran (%s); its result is "
-                    "dropped: raise hydra.sweeper.grace_period if heartbeats can be that late",
-                    trial.number, frozen.user_attrs.get(ERROR, "no reason recorded"))
-    else:
-        state, values = recovery.settled(record, frozen)
-        optuna_study.tell(opened.study, trial, values, state=state, attrs=record["attrs"])
+    try:
+        frozen = opened.trial(trial.number)  # as the job and the other workers left it
+        if frozen.state.is_finished():  # another worker failed it: its heartbeat was late
+            log.warning("trial %d was failed by another worker while it ran (%s); its result "
+                        "is dropped: raise hydra.sweeper.grace_period if heartbeats can be "
+                        "that late", trial.number, frozen.user_attrs.get(ERROR, "no reason"))
+        else:
+            state, values = recovery.settled(record, frozen)
+            optuna_study.tell(opened.study, trial, values, state=state, attrs=record["attrs"])
+    except StorageUnavailable as err:
+        raise StorageUnavailable(f"{err}; trial {trial.number}'s result is kept in {kept} and "
+                                 "told by the next run of this command") from err
     kept.unlink(missing_ok=True)
 
 
