@@ -169,6 +169,8 @@ RULES: dict[str, Rule] = {
     "distributed.num_processes": Int(1, null=True),
     "distributed.process_id": Int(0, null=True),
     "distributed.local_device_ids": ListOf(Int(0), null=True),
+    "distributed.initialization_timeout_s": POSITIVE, "distributed.heartbeat_timeout_s": POSITIVE,
+    "distributed.shutdown_timeout_s": POSITIVE, "distributed.peer_check_s": POSITIVE,
     # model
     "model.vocab_size": POSITIVE, "model.emb_dim": POSITIVE, "model.num_heads": POSITIVE,
     "model.head_dim": POSITIVE, "model.num_layers": POSITIVE, "model.mlp_dim": POSITIVE,

@@ -18,9 +18,11 @@ import sys
 import threading
 from collections.abc import Iterator
 
-# Python loggers of the libraries underneath: absl (seqio's and orbax's messages) and JAX's
-# backend lookup ("Unable to initialize backend 'tpu'").
-QUIET_LOGGERS = ("absl", "jax._src.xla_bridge")
+# Python loggers of the libraries underneath: absl (seqio's and orbax's messages), JAX's
+# backend lookup ("Unable to initialize backend 'tpu'") and its compilation cache's set-up
+# ("Resetting cache at ...", when a multi-process run turns the cache off: launch/peers.py
+# says so in its own line).
+QUIET_LOGGERS = ("absl", "jax._src.xla_bridge", "jax._src.compilation_cache")
 # Native INFO lines TensorFlow's shared libraries print while they load (static
 # initialisers, before any log level applies), with absl's preamble to them.
 _LOAD_NOTICE = re.compile(r"^(I\d{4} \d\d:\d\d:[\d.]+ +\d+ \S+:\d+\] |WARNING: All log messages "

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, open_dict
 
 from capibara_exp import environment, gin_bridge, phases
 from capibara_exp.errors import ConfigError, RunError
-from capibara_exp.launch import distributed, tpu_vm
+from capibara_exp.launch import distributed, peers, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
@@ -107,10 +107,11 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
 
         distributed.initialize(cfg.distributed)
         compilation_cache(cfg.get("compilation_cache_dir"))
+        peers.agree_on_cache(cfg.get("compilation_cache_dir"))
         phases.show_compiles()
         _share_inputs(multirun)
         with machine_peak(run_dir, cfg.model.get("dtype", "float32"),
-                          cfg.get("compilation_cache_dir")):
+                          cfg.get("compilation_cache_dir")), peers.watched(cfg.distributed):
             gin_utils.run_train(path, actions=_sweep_actions(cfg))
         metrics = last_metrics(run_dir, "train_eval")
     elif cfg.engine.name == "t5x":

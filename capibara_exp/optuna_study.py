@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import logging
 import threading
 import time
 import warnings
@@ -25,6 +26,8 @@ from optuna.trial import TrialState
 
 from capibara_exp import private_apis
 from capibara_exp.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # Samplers whose Optuna implementation imports a package on first use: (module, how to get it)
 SAMPLER_PACKAGES = {"cmaes": ("cmaes", "pip install cmaes"),
@@ -99,15 +102,15 @@ def make_pruner(name: str, options: Mapping[str, Any] | None = None, *,
         raise ConfigError(f"{key}_options {options} for pruner={name}: {err}") from err
 
 
-def sampler_seed(seed: int | None, trials_so_far: int, worker_index: int) -> int | None:
-    """A sampler's seed for one invocation on a study: the configured seed mixed with how
-    many trials the study already holds and the worker's index. A new study's first
-    invocation samples the same points for the same seed; one that continues a study (or
-    another worker) does not replay the points its predecessors sampled, as re-seeding with
-    the bare seed would (trial 0's parameters again)."""
+def sampler_seed(seed: int | None, *parts: int) -> int | None:
+    """A sampler's seed for one use of it: the configured seed mixed with `parts` (the
+    sweeper's: the trial's number, which the storage hands out once per study), so that
+    the same seed on every worker and machine still samples each trial anew, a new study
+    samples the same points for the same seed, and a continued one does not replay the
+    points its predecessors sampled."""
     if seed is None:
         return None
-    return int(np.random.SeedSequence([seed, trials_so_far, worker_index]).generate_state(1)[0])
+    return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
 
 
 # ----------------------------------------------------------------------------- storages
@@ -125,7 +128,10 @@ def open_storage(url: str, heartbeat_s: int | None = None,
     if is_journal(url):
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
     # Local workers write one SQLite file at once: wait for its lock instead of failing.
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    # A database server may restart under a sweep: a pooled connection is tested before use
+    # (SQLAlchemy's pre-ping) and replaced if the server dropped it.
+    kwargs = ({"connect_args": {"timeout": 60}} if url.startswith("sqlite")
+              else {"pool_pre_ping": True})
     heartbeat = {"heartbeat_interval": heartbeat_s, "grace_period": grace_period_s}
     for attempt in range(5):
         try:
@@ -141,9 +147,8 @@ def open_storage(url: str, heartbeat_s: int | None = None,
 
 def heartbeat_s(storage: optuna.storages.BaseStorage) -> int | None:
     """Seconds between a running trial's heartbeats on `storage`; None: it keeps none."""
-    if isinstance(storage, optuna.storages.RDBStorage):
-        return storage.get_heartbeat_interval()
-    return None
+    interval = getattr(storage, "get_heartbeat_interval", None)  # RDB storages (and wrappers)
+    return interval() if interval else None
 
 
 # ----------------------------------------------------------------------------- studies
@@ -225,22 +230,19 @@ def fail(opened: OpenStudy, number: int, attrs: Mapping[str, Any] | None = None)
 
 
 @contextlib.contextmanager
-def heartbeat(opened: OpenStudy, number: int) -> Iterator[None]:
-    """Record trial `number`'s heartbeat every interval while the block runs (nothing on a
-    storage without heartbeats)."""
-    interval = heartbeat_s(opened.storage)
-    if not interval:
-        yield
-        return
-    storage, trial_id, stop = opened.storage, opened.trial_id(number), threading.Event()
+def repeating(fn: Callable[[], object], period_s: float, name: str,
+              first_now: bool = False) -> Iterator[None]:
+    """Call fn() in a thread every period_s seconds (and at once if first_now) while the
+    block runs; the thread is stopped and joined when it ends. fn handles its own errors."""
+    stop = threading.Event()
 
-    def beat() -> None:
-        while True:
-            storage.record_heartbeat(trial_id)
-            if stop.wait(interval):
-                return
+    def loop() -> None:
+        if first_now:
+            fn()
+        while not stop.wait(period_s):
+            fn()
 
-    thread = threading.Thread(target=beat, name=f"heartbeat-{number}", daemon=True)
+    thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     try:
         yield
@@ -249,22 +251,47 @@ def heartbeat(opened: OpenStudy, number: int) -> Iterator[None]:
         thread.join()
 
 
-def fail_stale(opened: OpenStudy, attrs: Mapping[str, Any]) -> list[int]:
-    """Mark FAIL the running trials whose heartbeat is older than the storage's grace
-    period, with user attributes `attrs` saying why; their numbers. Nothing on a storage
-    without heartbeats."""
+@contextlib.contextmanager
+def heartbeat(opened: OpenStudy, number: int) -> Iterator[None]:
+    """Record trial `number`'s heartbeat every interval while the block runs (nothing on a
+    storage without heartbeats); a failing beat (the database away) is tried again."""
+    interval = heartbeat_s(opened.storage)
+    if not interval:
+        yield
+        return
+    storage, trial_id, failing = opened.storage, opened.trial_id(number), [False]
+
+    def beat() -> None:
+        try:  # a database away (or anything else) must not end the heartbeats
+            storage.record_heartbeat(trial_id)
+            failing[0] = False
+        except Exception as err:
+            if not failing[0]:
+                log.warning("trial %d: heartbeat not recorded (%s: %s); trying again",
+                            number, type(err).__name__, str(err).splitlines()[0][:200])
+            failing[0] = True
+
+    with repeating(beat, interval, f"heartbeat-{number}", first_now=True):
+        yield
+
+
+def grace_period_s(storage: optuna.storages.BaseStorage) -> int | None:
+    """Seconds without a heartbeat before a running trial is stale; None: no heartbeats."""
+    interval = heartbeat_s(storage)
+    if not interval:
+        return None
+    return getattr(storage, "grace_period", None) or 2 * interval
+
+
+def stale_trials(opened: OpenStudy) -> list[optuna.trial.FrozenTrial]:
+    """The RUNNING trials whose heartbeat is older than the storage's grace period (nothing
+    on a storage without heartbeats), as the storage holds them now."""
     storage = opened.storage
     if not heartbeat_s(storage):
         return []
-    failed = []
-    # Optuna's public fail_stale_trials does this too, but fails first: then the reason can
-    # no longer be recorded on the trial (the storage refuses to change a finished trial).
-    for trial_id in private_apis.stale_trial_ids(storage, opened.study_id):
-        try:
-            for key, value in attrs.items():
-                storage.set_trial_user_attr(trial_id, key, value)
-            if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                failed.append(storage.get_trial(trial_id).number)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # another worker failed it first
-    return failed
+    # Optuna's public fail_stale_trials finds them too, but fails them first: then the reason
+    # can no longer be recorded on the trial (the storage refuses to change a finished one).
+    stale = getattr(storage, "stale_trial_ids", None)  # a wrapper's (sweeping/retry.py)
+    ids = stale(opened.study_id) if stale else private_apis.stale_trial_ids(storage,
+                                                                            opened.study_id)
+    return [storage.get_trial(trial_id) for trial_id in ids]

@@ -6,9 +6,10 @@ the library removes or changes it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import optuna
+if TYPE_CHECKING:
+    import optuna
 
 
 class PrivateUse(NamedTuple):
@@ -25,6 +26,18 @@ USES = (
         "first, after which the storage refuses to record on the trial why it failed; the "
         "sweep's failure rate and its reports tell a dead machine's trial from a failing "
         "job by that reason."),
+    PrivateUse(
+        "jax._src.distributed", "State.initialize",
+        "jax.distributed.initialize keeps the coordination service's client on "
+        "jax._src.distributed.global_state.client; JAX's public API offers no other way to it "
+        "(see the next use)."),
+    PrivateUse(
+        "jaxlib._jax", "DistributedRuntimeClient.key_value_try_get",
+        "the key-value store of JAX's coordination service, which every process of a run "
+        "reaches without a collective: each raises a counter there and reads the others' "
+        "(launch/peers.py), and says which process it lost, with exit 75, before the "
+        "service's heartbeat timeout aborts them all naming nobody; a collective that "
+        "includes a dead process only hangs. JAX's public API has no such store."),
 )
 
 
@@ -32,3 +45,12 @@ def stale_trial_ids(storage: optuna.storages.RDBStorage, study_id: int) -> list[
     """The ids of the study's RUNNING trials whose last heartbeat, by the database's clock,
     is older than the storage's grace period (see USES)."""
     return storage._get_stale_trial_ids(study_id)
+
+
+def distributed_client() -> object | None:
+    """JAX's coordination-service client in this process (None before
+    jax.distributed.initialize): `key_value_set(key, value, allow_overwrite)`,
+    `key_value_try_get(key)`, `blocking_key_value_get(key, timeout_ms)` (see USES)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

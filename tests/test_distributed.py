@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -146,3 +147,97 @@ def test_tpu_vm_settings_errors(tmp_path):
     out = run("model_dir=/elsewhere/run")
     assert out.returncode == 2
     assert "model_dir=/elsewhere/run is not on the workers' shared" in out.stderr
+
+
+# ----------------------------------------------------------------------------- faults
+
+FAULT_RUN = ["debug=fast", "trainer.train_steps=30", "trainer.eval_period=30",
+             "trainer.stats_period=5", "checkpoint.checkpoint_period=10",
+             "distributed.mode=explicit", "distributed.num_processes=2",
+             "distributed.heartbeat_timeout_s=10", "distributed.peer_check_s=1"]
+
+
+def _pair(model_dir: Path, cache: Path, tmp_path: Path) -> list[subprocess.Popen]:
+    """Two processes of one device each, as the docs' command starts them on two hosts."""
+    common = [*FAULT_RUN, f"model_dir={model_dir}", f"compilation_cache_dir={cache}",
+              f"distributed.coordinator_address=localhost:{_free_port()}"]
+    return [_capibara([*common, f"distributed.process_id={i}"], tmp_path, devices=1)
+            for i in range(2)]
+
+
+def _compiled_step(output: str) -> bool:
+    return "compiling jit(_step)" in output
+
+
+@pytest.mark.slow
+def test_two_processes_survive_a_warm_cache_and_a_killed_peer_then_resume_bitwise(
+        tmp_path: Path, data_dir: Path) -> None:
+    cache = tmp_path / "xla"
+    # Cold cache: both compile; process 0 writes the cache (JAX writes from process 0 only).
+    whole = tmp_path / "whole"
+    cold = [_finish(p) for p in _pair(whole, cache, tmp_path)]
+    assert list(cache.glob("jit__step-*")), "process 0 wrote no cache entry"
+    assert [_compiled_step(out) for out in cold] == [True, True]
+
+    # Warm cache: the processes agree on it (process 0 alone would read its step from the
+    # cache and run its first collective a compile ahead of process 1): both compile alike.
+    # Process 1 is killed once a checkpoint exists; process 0 says so in one line, exits 75.
+    cut = tmp_path / "cut"
+    procs = _pair(cut, cache, tmp_path)
+    deadline = time.monotonic() + 900
+    while not (cut / "checkpoint_10").is_dir():
+        assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint 10"
+        time.sleep(0.2)
+    procs[1].kill()
+    killed_out, _ = procs[1].communicate(timeout=60)
+    out, _ = procs[0].communicate(timeout=600)  # a hang here is the failure
+    assert procs[0].returncode == 75, out[-3000:]
+    # The cause, whichever sees it first: the step's collective (Gloo: connection reset) or
+    # the peer's counter in the coordination service, still for half the heartbeat timeout.
+    said = [line for line in out.splitlines() if line.startswith("capibara-exp: process 0 of 2: ")
+            and "exiting 75: a restart resumes from the newest checkpoint" in line]
+    assert len(said) == 1, out[-3000:]
+    assert ("process 1 stopped for 5 s" in said[0]
+            or "a collective with process 1 failed" in said[0]), said
+    assert _compiled_step(out) == _compiled_step(killed_out), (out[-2000:], killed_out[-2000:])
+
+    # The restart (as the launch script's loop runs it) resumes and ends where the
+    # uninterrupted run did, bit for bit.
+    resumed = [_finish(p) for p in _pair(cut, cache, tmp_path)]
+    assert "finished at step 30" in resumed[0]
+    want, got = _params(whole, 30), _params(cut, 30)
+    assert sorted(want) == sorted(got) and any(
+        not np.array_equal(_params(whole, 10)[k], want[k]) for k in want)
+    for key in want:
+        assert np.array_equal(got[key], want[key]), key
+
+
+def test_distributed_timeouts_reach_jax(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from capibara_exp.launch import distributed
+    from tests.conftest import compose_config
+
+    settings = compose_config(["distributed.heartbeat_timeout_s=7"]).distributed
+    assert distributed.timeouts(settings) == {"initialization_timeout": 300,
+                                              "heartbeat_timeout_seconds": 7,
+                                              "shutdown_timeout_seconds": 300}
+    import inspect
+
+    import jax
+
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    assert set(distributed.timeouts(settings)) <= set(accepted)
+    assert distributed.timeouts(OmegaConf.create({"mode": "auto"})) == {}
+
+
+def test_a_process_whose_peer_never_comes_exits_75_naming_the_timeout(tmp_path: Path) -> None:
+    proc = _capibara([*RUN, f"model_dir={tmp_path / 'run'}", "distributed.mode=explicit",
+                      "distributed.num_processes=2", "distributed.process_id=0",
+                      f"distributed.coordinator_address=localhost:{_free_port()}",
+                      "distributed.initialization_timeout_s=3"], tmp_path, devices=1)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 75, out[-3000:]
+    said = [line for line in out.splitlines() if line.startswith("capibara-exp: process 0 of 2")]
+    assert len(said) == 1, out[-3000:]
+    assert "did not all join within distributed.initialization_timeout_s=3 s" in said[0]

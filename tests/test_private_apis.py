@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("capibara_exp", "hydra_plugins", "bench")
 # namedtuple's public API is spelled with a leading underscore
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+# ...and os._exit (exit without cleanup handlers) is the standard library's documented API
+STDLIB_API = {"_exit"}
 
 
 def _resolve(use: private_apis.PrivateUse) -> object:
@@ -51,13 +53,30 @@ def test_the_stale_trial_query_still_takes_a_study_id() -> None:
         f"{importlib.metadata.version('optuna')}, not (self, study_id): update private_apis.py")
 
 
+def test_jax_keeps_its_coordination_client_where_distributed_client_reads_it() -> None:
+    from jax._src import distributed
+
+    assert hasattr(distributed.global_state, "client"), (
+        "jax._src.distributed.global_state.client is gone in jax "
+        f"{importlib.metadata.version('jax')}: update private_apis.distributed_client")
+    assert private_apis.distributed_client() is None  # nothing joined in this process
+    from jax._src.lib import _jax  # the module private_apis.USES names, as JAX imports it
+
+    for name, needs in (("key_value_try_get", "key: str"),
+                        ("key_value_set", "allow_overwrite: bool"),
+                        ("blocking_key_value_get", "timeout_in_ms: int")):
+        doc = getattr(_jax.DistributedRuntimeClient, name).__doc__ or ""
+        assert needs in doc, (f"DistributedRuntimeClient.{name} changed: "
+                              f"{doc.splitlines()[:1]}; update launch/peers.py")
+
+
 def _private_uses(path: Path) -> list[str]:
     """`obj._name` and imports of `_module`s or `_name`s from other packages in one file."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Attribute) and _private(node.attr) \
-                and node.attr not in NAMEDTUPLE_API and not _own(node.value):
+                and node.attr not in NAMEDTUPLE_API | STDLIB_API and not _own(node.value):
             found.append(f"{where} {ast.unparse(node)}")
         elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith(
                 "capibara_exp"):

@@ -314,8 +314,13 @@ def test_a_trial_of_a_killed_sweep_is_marked_failed_and_the_sweep_goes_on(tmp_pa
     orphan.set_user_attr("pid", int(dead.stdout))  # that process has exited
     s = study.run(settings(n_trials=3), quadratic, tmp_path)
     states = [t.state for t in s.trials]
-    assert states == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    # The dead process's trial is failed, then retried first (Optuna's retry callback: a
+    # copy with its parameters), and the study still holds n_trials counted trials.
+    assert states == [TrialState.FAIL] + [TrialState.COMPLETE] * 3
     assert s.trials[0].user_attrs[study.ERROR] == study.ORPHANED
+    assert s.trials[1].params == s.trials[0].params
+    assert s.trials[1].system_attrs["failed_trial"] == 0
+    assert len(study.counted(s)) == 3
 
 
 def test_failing_trials_are_recorded_and_the_failure_rate_stops_the_sweep(tmp_path: Path) -> None:
@@ -367,10 +372,11 @@ def test_multi_objective_results_are_the_pareto_front(
     assert "hydra.sweeper.pruner=median is off" in caplog.text  # said, not silently dropped
 
 
-def test_a_dead_machines_trial_is_failed_once_its_heartbeat_is_stale(tmp_path: Path) -> None:
+def test_a_dead_machines_trial_is_failed_while_a_job_runs_and_retried(tmp_path: Path) -> None:
     """A trial RUNNING on another host (whose pid means nothing here) is failed by the
-    heartbeat; the trial running here keeps its own heartbeat fresh through a long job."""
-    cfg = settings(n_trials=3, heartbeat_interval=1, grace_period=2)
+    background check once its heartbeat is stale, while this worker's own job runs (whose
+    heartbeat stays fresh), and its retry runs next with its parameters."""
+    cfg = settings(n_trials=2, heartbeat_interval=1, grace_period=2)
     url = study.storage_url(None, tmp_path)
     x = space.parse(["x=interval(0, 1)"])
     opened = study.open_study(cfg, url, x)
@@ -378,18 +384,23 @@ def test_a_dead_machines_trial_is_failed_once_its_heartbeat_is_stale(tmp_path: P
     dead.set_user_attr("host", "another-machine")
     dead.set_user_attr("pid", os.getpid())  # alive here: only the heartbeat can tell
     opened.storage.record_heartbeat(opened.trial_id(dead.number))  # its machine's last one
-    failed_during_job: list[int] = []
+    seen_during_job: list[TrialState] = []
 
     def job(overrides, number):
-        if number == 1:  # outlive the grace period, then look as another worker would
-            time.sleep(3.2)
-            failed_during_job.extend(study.fail_stale(study.open_study(cfg, url, x)))
+        if number == 1:  # wait (a hang fails the test) for the check to fail trial 0
+            for _ in range(600):
+                if opened.trial(0).state.is_finished():
+                    break
+                time.sleep(0.1)
+            seen_during_job.extend([opened.trial(0).state, opened.trial(1).state])
         return quadratic(overrides, number)
 
     s = study.run(cfg, job, tmp_path)
-    assert failed_during_job == [0]  # the dead machine's trial, not this one's
+    assert seen_during_job == [TrialState.FAIL, TrialState.RUNNING]
     assert [t.state for t in s.trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
     assert s.trials[0].user_attrs[study.ERROR] == study.STALE
+    assert s.trials[2].params == s.trials[0].params  # the retry
+    assert [t.number for t in study.counted(s)] == [1, 2]
 
 
 def test_a_trial_failed_by_another_worker_while_it_ran_stays_failed(
@@ -693,3 +704,60 @@ def test_trials_in_one_process_replay_the_batches_a_new_pipeline_makes(data_dir:
     assert not np.array_equal(other_seed[0]["decoder_target_tokens"],
                               fresh[0]["decoder_target_tokens"])
     assert unseeded[0] is not unseeded_again[0]
+
+
+def test_a_retry_runs_in_its_trials_run_dir_and_resumes_there(tmp_path: Path) -> None:
+    """A dead process's trial is retried in the run dir it had (the job resumes from its
+    checkpoints there); a retry whose run dir is unreachable from here gets its own."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    url = study.storage_url(None, tmp_path)
+    x = space.parse(["x=interval(0, 1)"])
+    opened = study.open_study(settings(), url, x)
+    kept_dir = tmp_path / "shared" / "0"
+    kept_dir.mkdir(parents=True)
+    for number, where in ((0, kept_dir), (1, tmp_path / "another-machine" / "1")):
+        trial = study._ask(opened, x)
+        assert trial.number == number
+        trial.set_user_attr("host", os.uname().nodename)
+        trial.set_user_attr("pid", int(dead.stdout))
+        trial.set_user_attr("run_dir", str(where))
+    subdirs: dict[int, str] = {}
+
+    def job(overrides, number):
+        subdirs[number] = next(o.split("=", 1)[1] for o in overrides
+                               if o.startswith("hydra.sweep.subdir="))
+        return quadratic(overrides, number)
+
+    s = study.run(settings(n_trials=2), job, tmp_path)
+    retries = {t.system_attrs["failed_trial"]: t.number for t in s.trials
+               if "failed_trial" in t.system_attrs}
+    assert sorted(retries) == [0, 1] and len(study.counted(s)) == 2
+    assert subdirs[retries[0]] == str(kept_dir)  # resumes where trial 0 ran
+    assert subdirs[retries[1]] == str(tmp_path.absolute() / str(retries[1]))
+    assert s.trials[retries[1]].user_attrs["run_dir"] == subdirs[retries[1]]
+
+
+def test_a_preempted_trial_is_retried_not_failed(tmp_path: Path) -> None:
+    """A job preempted in this process (it saved its step; errors.Preempted, exit 75) ends
+    the worker with 75 after its trial is failed as preempted and retried; the next run
+    runs the retry first, and the preemption counts neither toward n_trials nor as a
+    failure."""
+    from capibara_exp.errors import PREEMPTED_EXIT_CODE, Preempted
+
+    def preempted_once(overrides, number):
+        if number == 1:
+            raise Preempted("SIGTERM: saved step 40")
+        return quadratic(overrides, number)
+
+    cfg = settings(n_trials=3, max_failure_rate=0.0)
+    with pytest.raises(SystemExit) as stop:
+        study.run(cfg, preempted_once, tmp_path)
+    assert stop.value.code == PREEMPTED_EXIT_CODE
+    s = study.run(cfg, preempted_once, tmp_path)  # the restart
+    assert s.trials[1].state == TrialState.FAIL
+    assert s.trials[1].user_attrs[study.ERROR] == study.PREEMPTED
+    (retry,) = [t for t in s.trials if t.system_attrs.get("failed_trial") == 1]
+    assert retry.number == 2 and retry.state == TrialState.COMPLETE
+    assert retry.params == s.trials[1].params
+    assert [t.state for t in study.counted(s)] == [TrialState.COMPLETE] * 3

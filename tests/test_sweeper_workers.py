@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -104,9 +105,11 @@ def test_a_sweep_killed_mid_trial_resumes_without_losing_or_rerunning_trials(
     ran = [int(line.split()[1]) for line in log.read_text().splitlines()]
     assert len(ran) == len(set(ran))  # no trial ran twice
     s = optuna.load_study(study_name="shared", storage=optuna_study.open_storage(url))
-    assert len(s.trials) == N_TRIALS  # the total is the study's, across both runs
+    assert len(study.counted(s)) == N_TRIALS  # the total is the study's, across both runs
     assert s.trials[killed].state == TrialState.FAIL
     assert s.trials[killed].user_attrs[study.ERROR] == study.ORPHANED
+    (retry,) = [t for t in s.trials if t.system_attrs.get("failed_trial") == killed]
+    assert retry.params == s.trials[killed].params and retry.number in ran  # it ran again
     assert all(t.state == TrialState.COMPLETE for t in s.trials if t.number != killed)
 
 
@@ -177,38 +180,66 @@ def _run(cmd: list[str]) -> None:
     assert out.returncode == 0, f"{' '.join(cmd)}: {out.stderr[-2000:]}"
 
 
-@pytest.fixture()
-def postgres_url():
-    """A PostgreSQL server on a loopback port for this test, stopped afterwards."""
-    import psycopg2  # noqa: F401  - the driver optuna's URL names (psycopg2-binary, extra test)
+class PostgresServer:
+    """A PostgreSQL server of its own on a loopback port (Debian's binaries), which a test
+    may stop and start again (a database restart under a sweep)."""
 
-    bin_dir, port = _pg_bin(), _free_port()
-    # Not under pytest's tmp dir: that is private to root, and the server refuses to run as
-    # root, so where we are root it runs as the postgres user in a directory it owns.
-    root = Path(tempfile.mkdtemp(prefix="capibara-pg-"))
-    data = root / "data"
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    if as_user:
-        shutil.chown(root, "postgres")
-    _run([*as_user, str(bin_dir / "initdb"), "-D", str(data), "-U", "sweep", "--auth=trust",
-          "-E", "UTF8"])
-    server = subprocess.Popen([*as_user, str(bin_dir / "postgres"), "-D", str(data),
-                               "-p", str(port), "-h", "127.0.0.1", "-k", str(root)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(100):
-            if subprocess.run([str(bin_dir / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)],
-                              capture_output=True).returncode == 0:
-                break
-            assert server.poll() is None, server.stderr.read()
+    def __init__(self) -> None:
+        import psycopg2  # noqa: F401  - the driver optuna's URL names (psycopg2-binary, extra test)
+
+        self.bin_dir, self.port = _pg_bin(), _free_port()
+        # Not under pytest's tmp dir: that is private to root, and the server refuses to run
+        # as root, so where we are root it runs as the postgres user in a dir it owns.
+        self.root = Path(tempfile.mkdtemp(prefix="capibara-pg-"))
+        self.data = self.root / "data"
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_user:
+            shutil.chown(self.root, "postgres")
+        _run([*self.as_user, str(self.bin_dir / "initdb"), "-D", str(self.data), "-U", "sweep",
+              "--auth=trust", "-E", "UTF8"])
+        self.server: subprocess.Popen | None = None
+        self.url = f"postgresql+psycopg2://sweep@127.0.0.1:{self.port}/optuna"
+
+    def start(self) -> None:
+        self.server = subprocess.Popen(
+            [*self.as_user, str(self.bin_dir / "postgres"), "-D", str(self.data), "-p",
+             str(self.port), "-h", "127.0.0.1", "-k", str(self.root)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(300):
+            if subprocess.run([str(self.bin_dir / "pg_isready"), "-h", "127.0.0.1", "-p",
+                               str(self.port)], capture_output=True).returncode == 0:
+                return
+            assert self.server.poll() is None, self.server.stderr.read()
             time.sleep(0.1)
-        _run([str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "sweep",
-              "optuna"])
-        yield f"postgresql+psycopg2://sweep@127.0.0.1:{port}/optuna"
+        raise AssertionError(f"PostgreSQL did not start on port {self.port}")
+
+    def stop(self) -> None:
+        """A fast shutdown: the server closes every client's connection, as a restart does."""
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+            self.server.wait(timeout=60)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def serve_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server with an `optuna` database (a fixture's body), removed afterwards."""
+    server = PostgresServer()
+    try:
+        server.start()
+        _run([str(server.bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(server.port),
+              "-U", "sweep", "optuna"])
+        yield server
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        shutil.rmtree(root, ignore_errors=True)
+        server.close()
+
+
+@pytest.fixture()
+def postgres_url() -> Iterator[str]:
+    for server in serve_postgres():
+        yield server.url
 
 
 def test_two_workers_share_a_postgresql_study(postgres_url: str, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from capibara_exp.errors import ConfigError
+from capibara_exp.sweeping import files
 
 SWEEPS_GROUP = "sweeps"  # sweeps/*.yaml: hydra.sweeper settings only (sweeps/README.md)
 EXPERIMENT = "experiment"
@@ -103,9 +104,8 @@ def write(sweep_dir: Path, study_name: str, number: int, value: float, fixed: Se
     command = " ".join(["capibara-exp", "--config-dir", str(config_dir),
                         f"{EXPERIMENT}={name}", *(f"'{o}'" for o in on_command)])
     path = config_dir / EXPERIMENT / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = (f"# @package _global_\n# {command}\n"
               f"# Trial {number} of study {study_name} (value {value}): the sweep's overrides "
               "and the trial's sampled values.\n")
-    path.write_text(header + yaml.safe_dump(config, sort_keys=False))
+    files.write_text(path, header + yaml.safe_dump(config, sort_keys=False))
     return path, command

@@ -7,6 +7,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from capibara_exp.sweeping import files
+
 
 def write_plots(study: optuna.Study, sweep_dir: Path) -> dict[str, str]:
     """Plot name -> PNG path (or the reason it was not drawn), written under sweep_dir/plots."""
@@ -42,8 +44,8 @@ def write_plots(study: optuna.Study, sweep_dir: Path) -> dict[str, str]:
             written[name] = f"not drawn: {err}"
             continue
         fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=120, bbox_inches="tight")
+        path = files.write_with(out_dir / f"{name}.png",
+                                lambda tmp, fig=fig: fig.savefig(tmp, dpi=120, bbox_inches="tight"))
         plt.close(fig)
         written[name] = str(path)
     return written

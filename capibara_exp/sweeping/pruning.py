@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,14 +10,23 @@ import optuna
 
 from capibara_exp import optuna_study
 from capibara_exp.runtime.trainer import BaseAction
+from capibara_exp.sweeping import retry
+from capibara_exp.sweeping.storage import redacted
 from capibara_exp.sweeping.study import PRUNED_AT, PRUNER_KEY, PRUNER_OPTIONS
+
+log = logging.getLogger(__name__)
+# How long a report waits for a database that is away before training goes on without it:
+# the trial's own result is what matters, and it is told (and kept) by the sweeper.
+REPORT_RETRY_S = 60.0
 
 
 class OptunaPruning(BaseAction):
     """After each evaluation: trial.report(metric, step); True (stop) when the pruner says so."""
 
     def __init__(self, storage: str, study_name: str, number: int, metric: str, pruner: str):
-        opened = optuna_study.load(optuna_study.open_storage(storage), study_name,
+        outage = retry.Outage(redacted(storage), REPORT_RETRY_S, "a pruning report's wait")
+        inner = retry.call(outage, lambda: optuna_study.open_storage(storage), "opening it")
+        opened = optuna_study.load(retry.RetryingStorage(inner, outage), study_name,
                                    optuna_study.make_pruner(pruner, key=PRUNER_KEY))
         self.study = opened.study
         # The trial the sweep asked for and launched this run as (still RUNNING).
@@ -32,8 +42,11 @@ class OptunaPruning(BaseAction):
             return False
         metrics = next(iter(metrics_by_task.values()))
         step = int(train_state.step)
-        self.trial.report(float(metrics[self.metric]), step)
-        if self.trial.should_prune():
-            self.trial.set_user_attr(PRUNED_AT, step)
-            return True
+        try:
+            self.trial.report(float(metrics[self.metric]), step)
+            if self.trial.should_prune():
+                self.trial.set_user_attr(PRUNED_AT, step)
+                return True
+        except retry.StorageUnavailable as err:  # train on; the next eval reports again
+            log.warning("step %d: not reported to the study (%s); training goes on", step, err)
         return False

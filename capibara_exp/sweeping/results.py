@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from capibara_exp.errors import ConfigError
 from capibara_exp.sweeping import best as best_lib
+from capibara_exp.sweeping import files
 
 if TYPE_CHECKING:
     from capibara_exp.sweeping.study import SweepSettings
@@ -21,14 +22,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 RESULTS = "optimization_results.yaml"
 NOT_RUN = "not_run"  # asked by a worker that lost the race for the study's last trial
+RETRIED = "retried"  # a failed trial (dead machine, preempted) whose copy runs again
 
 
 def counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """The study's started trials, less those asked by a worker that lost the race for the
-    last one. Enqueued (WAITING) trials count once a worker asks for them: ask() runs them
-    first."""
+    last one and those retried (their retry counts instead). Enqueued (WAITING) trials
+    count once a worker asks for them: ask() runs them first."""
     return [t for t in study.get_trials(deepcopy=False)
-            if t.state != TrialState.WAITING and NOT_RUN not in t.user_attrs]
+            if t.state != TrialState.WAITING and NOT_RUN not in t.user_attrs
+            and not (t.state == TrialState.FAIL and t.user_attrs.get(RETRIED))]
+
 
 
 def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
@@ -60,7 +64,7 @@ def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
     from capibara_exp.sweeping.plots import write_plots  # matplotlib, only once a sweep ends
 
     results["plots"] = write_plots(study, sweep_dir)
-    (sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
+    files.write_text(sweep_dir / RESULTS, yaml.safe_dump(results, sort_keys=False))
     return results
 
 

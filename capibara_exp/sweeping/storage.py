@@ -1,25 +1,21 @@
 """Where a sweep's study lives: the storage (SQLite in the sweep dir, any SQLAlchemy URL,
-or a journal file), its heartbeats, and failing the trials of processes or machines that
-died. Opening storages, heartbeats and stale trials in general are optuna_study's."""
+or a journal file), opened to ride out a database restart, and its heartbeats. Opening
+storages, heartbeats and stale trials in general are optuna_study's; what becomes of a dead
+trial is recovery.py's."""
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from optuna.trial import TrialState
-
 from capibara_exp import optuna_study
 from capibara_exp.errors import ConfigError
+from capibara_exp.sweeping import retry
+from capibara_exp.sweeping.retry import Outage, RetryingStorage
 
 if TYPE_CHECKING:
     from capibara_exp.sweeping.study import SweepSettings
 
-ERROR = "error"
-ORPHANED = "its process died"
-STALE = "no heartbeat within the grace period: its machine or process died"
 HEARTBEAT_S = 60  # heartbeat interval on RDB storages other than SQLite, unless configured
 
 
@@ -47,30 +43,20 @@ def heartbeat_interval(settings: SweepSettings, url: str) -> int | None:
     return HEARTBEAT_S
 
 
-def fail_orphans(opened: optuna_study.OpenStudy) -> list[int]:
-    """Mark FAIL the RUNNING trials of dead processes on this host (a killed sweep)."""
-    host, failed = socket.gethostname(), []
-    for trial in opened.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        attrs = trial.user_attrs
-        if (attrs.get("host") == host and "pid" in attrs and not _alive(int(attrs["pid"]))
-                and optuna_study.fail(opened, trial.number, {ERROR: ORPHANED})):
-            failed.append(trial.number)
-    return failed
+def open_storage(url: str, settings: SweepSettings) -> RetryingStorage:
+    """The sweep's storage, every call retried while its database is away (retry.py) for up
+    to hydra.sweeper.storage_retry_s; opening it too (a worker may start while the server
+    restarts)."""
+    outage = Outage(redacted(url), settings.storage_retry_s)
+    inner = retry.call(outage, lambda: optuna_study.open_storage(
+        url, heartbeat_interval(settings, url), settings.grace_period), "opening the storage")
+    return RetryingStorage(inner, outage)
 
 
-def fail_stale(opened: optuna_study.OpenStudy) -> list[int]:
-    """Mark FAIL the RUNNING trials whose heartbeat is older than the grace period (a dead
-    machine's, or a dead process's anywhere); nothing on a storage without heartbeats."""
-    return optuna_study.fail_stale(opened, {ERROR: STALE})
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    return f"{scheme}://{credentials.split(':', 1)[0]}@{host}"

@@ -1,20 +1,22 @@
-"""An Optuna study driven by Hydra jobs: ask, launch one job, tell; resumable from storage.
+"""An Optuna study driven by Hydra jobs: ask, launch a batch of jobs, tell; resumable from
+storage, and outliving its workers and its database's restarts.
 
 Every worker (this process, the `n_workers - 1` it starts, and any other process pointed at
-the same storage) pulls trials until the study holds `n_trials` finished or running ones,
-so re-running the same command continues a study, and trials are never rerun. A trial left
-RUNNING by a process of this host that no longer exists, or (on a storage with heartbeats:
-PostgreSQL, MySQL) by any machine that stopped sending its heartbeat, is marked FAIL before
-new trials start.
+the same storage, on any machine) pulls trials until the study holds `n_trials` counted
+ones, so re-running the same command continues a study, and trials are never rerun. The
+sampler is seeded per trial from the study (sampler.py), so workers running the same
+command sample distinct points. Trials of dead processes (this host, by pid) and of machines
+that stopped their heartbeat (PostgreSQL, MySQL) are failed by a background check and
+retried (recovery.py); a worker whose trials are done waits for its peers' running ones,
+so that every worker ends with the whole study and writes the same results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-import math
-import os
-import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,33 +27,45 @@ from optuna.trial import TrialState
 
 from capibara_exp import optuna_study
 from capibara_exp.errors import ConfigError
+from capibara_exp.sweeping import recovery
 from capibara_exp.sweeping import space as space_lib
-
-# The study's storage and results live in their own modules; their names are this
-# module's too (the sweeper, the pruning action and tests use them from here).
-from capibara_exp.sweeping.results import NOT_RUN, RESULTS, counted, summary, write_results
-from capibara_exp.sweeping.storage import (
+from capibara_exp.sweeping import trials as trials_lib
+from capibara_exp.sweeping.recovery import (
     ERROR,
-    HEARTBEAT_S,
     ORPHANED,
+    PREEMPTED,
     STALE,
     fail_orphans,
     fail_stale,
-    heartbeat_interval,
-    storage_url,
+)
+from capibara_exp.sweeping.results import (
+    NOT_RUN,
+    RESULTS,
+    RETRIED,
+    counted,
+    summary,
+    write_results,
+)
+from capibara_exp.sweeping.sampler import PerTrialSeedSampler
+from capibara_exp.sweeping.storage import HEARTBEAT_S, heartbeat_interval, storage_url
+from capibara_exp.sweeping.storage import open_storage as _open_storage
+from capibara_exp.sweeping.trials import (
+    CACHE_KEY,
+    PRUNED_AT,
+    PRUNER_OPTIONS,
+    STORAGE_ENV,
+    job_overrides,
+    trial_override,
 )
 
-__all__ = ["ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "RESULTS", "STALE", "SweepSettings",
-           "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "open_study", "run",
-           "storage_url", "summary", "write_results"]
+__all__ = ["CACHE_KEY", "ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "PREEMPTED", "PRUNED_AT",
+           "PRUNER_OPTIONS", "RESULTS", "RETRIED", "STALE", "STORAGE_ENV", "SweepSettings",
+           "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "job_overrides",
+           "open_study", "run", "storage_url", "summary", "trial_override", "write_results"]
 
 log = logging.getLogger(__name__)
 
-PRUNED_AT = "pruned_at_step"
-PRUNER_OPTIONS = "pruner_options"  # a trial's job rebuilds its sweep's pruner with these
 MIN_FINISHED = 5  # finished trials before max_failure_rate applies (fewer if n_trials is less)
-CACHE_KEY = "compilation_cache_dir"
-STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
 SAMPLER_KEY, PRUNER_KEY = "hydra.sweeper.sampler", "hydra.sweeper.pruner"  # named in errors
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -79,6 +93,8 @@ class SweepSettings:
     pruner_options: dict[str, Any] | None = None
     heartbeat_interval: int | None = None  # None: HEARTBEAT_S on non-SQLite RDB; 0: off
     grace_period: int | None = None  # None: twice the heartbeat interval
+    max_retries: int = 2  # runs again of a trial whose machine died or that was preempted
+    storage_retry_s: float = 600.0  # how long a worker waits for a database that is away
 
     @property
     def directions(self) -> list[str]:
@@ -107,6 +123,11 @@ class SweepSettings:
         if self.grace_period is not None and self.grace_period < 1:
             raise ConfigError("hydra.sweeper.grace_period must be >= 1 or null, "
                               f"got {self.grace_period}")
+        if self.max_retries < 0:
+            raise ConfigError(f"hydra.sweeper.max_retries must be >= 0, got {self.max_retries}")
+        if self.storage_retry_s < 0:
+            raise ConfigError("hydra.sweeper.storage_retry_s must be >= 0, "
+                              f"got {self.storage_retry_s}")
 
 
 def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
@@ -119,16 +140,20 @@ def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
 def open_study(settings: SweepSettings, url: str,
                space: space_lib.SearchSpace) -> optuna_study.OpenStudy:
     """The sweep's study on its storage, made if new, with its sampler and pruner."""
-    storage = optuna_study.open_storage(url, heartbeat_interval(settings, url),
-                                        settings.grace_period)
+    storage = _open_storage(url, settings)
     pruner = optuna_study.make_pruner(settings.pruner, settings.pruner_options, key=PRUNER_KEY)
     opened = optuna_study.create_or_load(storage, settings.study_name, settings.directions,
                                          pruner=pruner)
-    seed = optuna_study.sampler_seed(settings.seed, len(opened.study.get_trials(deepcopy=False)),
-                                     settings.worker_index)
-    opened.study.sampler = optuna_study.make_sampler(
-        settings.sampler, seed, settings.sampler_options, key=SAMPLER_KEY, grid=space.grid,
-        multi_objective=len(settings.directions) > 1)
+
+    def build(seed: int | None) -> optuna.samplers.BaseSampler:
+        return optuna_study.make_sampler(settings.sampler, seed, settings.sampler_options,
+                                         key=SAMPLER_KEY, grid=space.grid,
+                                         multi_objective=len(settings.directions) > 1)
+
+    # The grid sampler is already the study's: trial n takes point n of a grid shuffled by
+    # the seed (the same on every worker); reseeding it per trial would reshuffle the grid.
+    opened.study.sampler = (build(settings.seed) if settings.sampler == "grid"
+                            else PerTrialSeedSampler(build, settings.seed))
     return opened
 
 
@@ -143,28 +168,45 @@ def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
 
 
 Launch = Callable[[list[str], int], Any]  # (overrides, trial number) -> the job's return value
+# [(overrides, trial number)] -> each job's return value or the exception it raised
+LaunchBatch = Callable[[list[tuple[list[str], int]]], list[Any]]
+
+
+@dataclass
+class _Sweep:
+    """What the loop's steps share."""
+
+    settings: SweepSettings
+    opened: optuna_study.OpenStudy
+    space: space_lib.SearchSpace
+    url: str
+    sweep_dir: Path
+    pruning: bool
+    launch: LaunchBatch
+    report: Callable[[str], None]
 
 
 def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Sequence[str] = (),
         on_open: Callable[[], Any] | None = None, groups: Sequence[str] = (),
-        write: bool = True, report: Callable[[str], None] | None = None) -> optuna.Study:
-    """Run trials until the study has n_trials; return the study.
+        write: bool = True, report: Callable[[str], None] | None = None,
+        batch: int = 1, launch_batch: LaunchBatch | None = None) -> optuna.Study:
+    """Run trials until the study has n_trials and no peer runs one; return the study.
 
     `arguments` are the sweep's task overrides (they win over `settings.params`); `groups`
     the composed config's groups, for the best-trial file (see best.write). `on_open` runs
     once the study exists in its storage (the sweeper starts its workers there, so they
     find the study made). `write`: write the results at the end (write_results). `report`
-    gets a line per finished trial, and one when the study already holds n_trials."""
-    report = report or (lambda line: None)
+    gets a line per finished trial, and one when the study already holds n_trials. Up to
+    `batch` trials are launched at once through `launch_batch` (a Hydra launcher that runs
+    jobs in parallel); without it, one by one through `launch`."""
     space = search_space(settings, arguments)
     if not space.distributions:
         raise ConfigError("hydra.sweeper.params and the command line define no search dimension "
                           "(use choice(...), range(...), interval(...))")
     url = storage_url(settings.storage, sweep_dir)
     opened = open_study(settings, url, space)
-    study = opened.study
-    fail_orphans(opened)
-    fail_stale(opened)
+    recovery.flush(opened, sweep_dir)  # results a worker kept while the database was away
+    recovery.check_dead(opened, settings.max_retries, opened.storage.outage)
     if on_open:
         on_open()
     pruning = settings.pruner != "none" and len(settings.directions) == 1
@@ -172,66 +214,83 @@ def run(settings: SweepSettings, launch: Launch, sweep_dir: Path, arguments: Seq
         log.warning("hydra.sweeper.pruner=%s is off: Optuna prunes single-objective studies "
                     "only, and this one has %d directions", settings.pruner,
                     len(settings.directions))
-    if len(counted(study)) >= settings.n_trials:
-        report(f"study '{settings.study_name}' already holds n_trials={settings.n_trials} "
-               f"trials ({sweep_dir}): nothing to run; raise hydra.sweeper.n_trials for more")
-    while len(counted(study)) < settings.n_trials:
-        if settings.sampler == "grid" and grid_done(study, space):
-            break  # every point once, never twice
-        fail_stale(opened)  # a machine that died while this one ran its last trial
-        trial = _ask(opened, space)
-        if _lost_race(study, trial, settings.n_trials):
-            break
-        overrides = _trial_overrides(study, trial, space, settings, url, pruning, sweep_dir)
-        with optuna_study.heartbeat(opened, trial.number):
-            _run_trial(opened, trial, launch, overrides, settings.metrics)
-        report(outcome(study, trial.number, settings.metrics))
-        _check_failure_rate(study, settings.max_failure_rate,
-                            min(settings.n_trials, MIN_FINISHED))
+    sweep = _Sweep(settings, opened, space, url, sweep_dir, pruning,
+                   launch_batch or (lambda jobs: _one_by_one(launch, jobs)),
+                   report or (lambda line: None))
+    if len(counted(opened.study)) >= settings.n_trials:
+        sweep.report(f"study '{settings.study_name}' already holds n_trials={settings.n_trials} "
+                     f"trials ({sweep_dir}): nothing to run; raise hydra.sweeper.n_trials for more")
+    heartbeats = optuna_study.heartbeat_s(opened.storage)
+    period = recovery.watch_period_s(heartbeats)
+    with recovery.watching(opened, settings.max_retries, period, opened.storage.outage):
+        _loop(sweep, batch, period, bool(heartbeats))
     if write:
-        write_results(study, settings, sweep_dir, space.fixed, groups)
-    return study
+        write_results(opened.study, settings, sweep_dir, space.fixed, groups)
+    return opened.study
 
 
-def _trial_overrides(study: optuna.Study, trial: optuna.Trial, space: space_lib.SearchSpace,
-                     settings: SweepSettings, url: str, pruning: bool,
-                     sweep_dir: Path) -> list[str]:
-    """The trial's job overrides (with its pruning hook and the shared compile cache)."""
-    # pid before host: a peer's orphan check reads a trial with our host as ours, so its pid
-    # must already be there (else the peer takes the live trial for a dead one's).
-    trial.set_user_attr("pid", os.getpid())
-    trial.set_user_attr("host", socket.gethostname())
-    overrides = job_overrides(space, trial.params)
-    if pruning:
-        if settings.pruner_options:
-            trial.set_user_attr(PRUNER_OPTIONS, dict(settings.pruner_options))
-        overrides.append(trial_override(url, settings, trial.number))
-    if settings.compile_cache and not any(f.startswith(CACHE_KEY + "=") for f in space.fixed):
-        cache = str(sweep_dir.absolute() / "xla_cache")
-        overrides.append(space_lib.to_override(CACHE_KEY, cache))
-    return overrides
+def _loop(sweep: _Sweep, batch: int, period_s: float, heartbeats: bool) -> None:
+    """Ask, launch and tell until the study is full; then wait for the peers' trials (a dead
+    peer's trial is failed and maybe retried meanwhile, and then run here)."""
+    settings, study = sweep.settings, sweep.opened.study
+    while True:
+        if settings.sampler == "grid" and grid_done(study, sweep.space):
+            return  # every point once, never twice
+        todo = settings.n_trials - len(counted(study))
+        if todo > 0:
+            _run_batch(sweep, _ask_batch(sweep, min(batch, todo)))
+        elif recovery.waiting_for(study, heartbeats):
+            time.sleep(period_s)
+        else:
+            return
 
 
-def outcome(study: optuna.Study, number: int, metrics: Sequence[str]) -> str:
-    """One line for a finished trial: its value, 'pruned at step N', or its error."""
-    trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
-    params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                      for k, v in trial.params.items())
-    if trial.state == TrialState.PRUNED:
-        value = f"; {metrics[0]} {trial.value:.6g}" if trial.value is not None else ""
-        return f"trial {number} pruned at step {trial.user_attrs.get(PRUNED_AT)}{value} ({params})"
-    if trial.state == TrialState.FAIL:
-        error = str(trial.user_attrs.get(ERROR, "unknown error")).splitlines()[0][:300]
-        return f"trial {number} failed: {error}"
-    if trial.state == TrialState.COMPLETE:
-        values = ", ".join(f"{m} {v:.6g}" for m, v in zip(metrics, trial.values, strict=False))
-        return f"trial {number}: {values} ({params})"
-    return f"trial {number}: {trial.state.name.lower()}"
+def _ask_batch(sweep: _Sweep, size: int) -> list[optuna.Trial]:
+    asked: list[optuna.Trial] = []
+    for _ in range(size):
+        trial = _ask(sweep.opened, sweep.space)
+        if _lost_race(sweep.opened.study, trial, sweep.settings.n_trials):
+            break
+        asked.append(trial)
+    return asked
 
 
-def job_overrides(space: space_lib.SearchSpace, params: dict[str, Any]) -> list[str]:
-    """A trial's Hydra overrides: the sweep's fixed ones, then the trial's sampled values."""
-    return [*space.fixed, *(space_lib.to_override(k, v) for k, v in params.items())]
+def _run_batch(sweep: _Sweep, asked: list[optuna.Trial]) -> None:
+    """Launch the asked trials together, each with its heartbeat; tell their results. A
+    preempted job's trial is retried, and the preemption then ends this worker (exit 75)."""
+    s, opened = sweep.settings, sweep.opened
+    jobs = [(trials_lib.overrides(opened.study, t, sweep.space, s, sweep.url, sweep.pruning,
+                                  sweep.sweep_dir), t.number) for t in asked]
+    if len(jobs) > 1:
+        sweep.report(f"trials {', '.join(str(t.number) for t in asked)} launched together")
+    with contextlib.ExitStack() as beating:
+        for trial in asked:
+            beating.enter_context(optuna_study.heartbeat(opened, trial.number))
+        outcomes = sweep.launch(jobs) if jobs else []
+    for trial, outcome in zip(asked, outcomes, strict=True):
+        trials_lib.finish(opened, trial, outcome, s.metrics, sweep.sweep_dir, s.max_retries)
+        sweep.report(trials_lib.outcome_line(opened.study, trial.number, s.metrics))
+    stop = next((o for o in outcomes if isinstance(o, SystemExit)), None)
+    if stop is not None:
+        raise stop
+    _check_failure_rate(opened.study, s.max_failure_rate, min(s.n_trials, MIN_FINISHED))
+
+
+def _one_by_one(launch: Launch, jobs: list[tuple[list[str], int]]) -> list[Any]:
+    """Each job's return value or exception; a preemption stops the batch there (the rest
+    are not started and are retried like it)."""
+    outcomes: list[Any] = []
+    for overrides, number in jobs:
+        try:
+            outcomes.append(launch(overrides, number))
+        except SystemExit as err:
+            if not trials_lib.preempted(err):
+                raise
+            outcomes += [err] * (len(jobs) - len(outcomes))
+            break
+        except Exception as err:  # a failing job is a FAIL trial, never the end of the sweep
+            outcomes.append(err)
+    return outcomes
 
 
 def _lost_race(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
@@ -262,47 +321,12 @@ def _ask(opened: optuna_study.OpenStudy, space: space_lib.SearchSpace) -> optuna
                           "hydra.sweeper.study_name)") from err
 
 
-def trial_override(url: str, settings: SweepSettings, number: int) -> str:
-    """The `sweep_trial` override through which a job reports to its trial (pruning).
-
-    The storage URL may hold a password: the job reads it from this process's environment,
-    so run dirs (overrides.yaml, config.yaml) record only the variable's name."""
-    os.environ[STORAGE_ENV] = url
-    # The pruner is not kept in the storage: the job rebuilds the same one from its name.
-    return (f"sweep_trial={{storage:'${{oc.env:{STORAGE_ENV}}}',"
-            f"study_name:'{settings.study_name}',number:{number},"
-            f"metric:{settings.metrics[0]},pruner:{settings.pruner}}}")
-
-
-def _run_trial(opened: optuna_study.OpenStudy, trial: optuna.Trial, launch: Launch,
-               overrides: list[str], metrics: Sequence[str]) -> None:
-    study, error, values = opened.study, None, None
-    try:
-        values = values_of(launch(overrides, trial.number), metrics)
-    except Exception as err:  # a failing job is a FAIL trial, never the end of the sweep
-        error = f"{type(err).__name__}: {err}"[:2000]
-    frozen = opened.trial(trial.number)  # as the job and the other workers left it
-    if frozen.state.is_finished():  # another worker failed it: its heartbeat came too late
-        log.warning("trial %d was failed by another worker while it ran (%s); its result is "
-                    "dropped: raise hydra.sweeper.grace_period if heartbeats can be that late",
-                    trial.number, frozen.user_attrs.get(ERROR, "no reason recorded"))
-    elif error is not None:
-        optuna_study.tell(study, trial, state=TrialState.FAIL, attrs={ERROR: error})
-    elif PRUNED_AT in frozen.user_attrs:
-        optuna_study.tell(study, trial, state=TrialState.PRUNED)
-    elif not all(math.isfinite(v) for v in values):
-        optuna_study.tell(study, trial, state=TrialState.FAIL,
-                          attrs={ERROR: f"non-finite objective {values}"})
-    else:
-        optuna_study.tell(study, trial, values)
-
-
 def _check_failure_rate(study: optuna.Study, max_rate: float, min_finished: int) -> None:
     """Stop the sweep when more than max_rate of its finished trials failed, judged once
     min_finished trials have finished (one early failure is no rate)."""
-    # A trial whose sweep was killed under it did not fail on its own: it does not count.
-    finished = [t for t in counted(study)
-                if t.state in FINISHED and t.user_attrs.get(ERROR) not in (ORPHANED, STALE)]
+    # A trial whose process, machine or sweep died under it did not fail on its own.
+    finished = [t for t in counted(study) if t.state in FINISHED
+                and t.user_attrs.get(ERROR) not in (ORPHANED, STALE, PREEMPTED)]
     failed = [t for t in finished if t.state == TrialState.FAIL]
     if len(finished) >= min_finished and failed and len(failed) / len(finished) > max_rate:
         last = failed[-1]
