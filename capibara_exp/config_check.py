@@ -253,6 +253,17 @@ def _attention_heads(v: dict[str, Any]) -> Found:
     return None
 
 
+def _initial_checkpoint(v: dict[str, Any]) -> Found:
+    path = v.get("checkpoint.initial_checkpoint")
+    if isinstance(path, str) and not os.path.isdir(os.path.join(os.path.expanduser(path),
+                                                                "state")):
+        found = sorted(Path(path).expanduser().glob("checkpoint_*/state"))
+        hint = f" (did you mean {found[-1].parent}?)" if found else ""
+        return ("checkpoint.initial_checkpoint",
+                f"{path} is not a checkpoint_<step> dir with state/{hint}")
+    return None
+
+
 def _vocabulary(v: dict[str, Any]) -> Found:
     kind, path, size = (v.get("model.vocabulary"), v.get("model.vocabulary_path"),
                         v.get("model.vocab_size"))
@@ -322,7 +333,7 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
     "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _attention_heads,
-               _vocabulary, _schedule,
+               _vocabulary, _initial_checkpoint, _schedule,
                _consensus, _curriculum, _lora_consensus),
     "merge": (_merge_weights,),
 }

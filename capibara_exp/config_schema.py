@@ -222,6 +222,7 @@ RULES: dict[str, Rule] = {
     # checkpoint
     "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
     "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),
+    "checkpoint.initial_checkpoint": Rule("str", null=True),
     # engine
     "engine.name": Choice("local", "t5x", "tpu_vm"), "engine.runtime": Choice("t5x", "local"),
     "engine.python": Rule("str", null=True), "engine.extra_flags": ListOf(Rule("str")),

@@ -25,6 +25,12 @@ USES = (
         "first, after which the storage refuses to record on the trial why it failed; the "
         "sweep's failure rate and its reports tell a dead machine's trial from a failing "
         "job by that reason."),
+    PrivateUse(
+        "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write",
+        "writing one array of a checkpoint whose arrays are made on demand (a converted "
+        "model, runtime/checkpoints.save_streamed): Orbax's public handlers take every array "
+        "of a save at once, so a model would have to fit in host memory; this per-array "
+        "write is where one array can be made, written and dropped before the next."),
 )
 
 
@@ -32,3 +38,24 @@ def stale_trial_ids(storage: optuna.storages.RDBStorage, study_id: int) -> list[
     """The ids of the study's RUNNING trials whose last heartbeat, by the database's clock,
     is older than the storage's grace period (see USES)."""
     return storage._get_stale_trial_ids(study_id)
+
+
+def streaming_numpy_handler(in_flight: int):
+    """An Orbax NumpyHandler for leaves with `.load()` (shape and dtype known, values made
+    when written): at most `in_flight` of them are in memory at once (see USES)."""
+    import asyncio
+
+    import orbax.checkpoint as ocp
+
+    class StreamingHandler(ocp.type_handlers.NumpyHandler):
+        def __init__(self) -> None:
+            super().__init__(deepcopy_host_arrays=False)
+            self._slots: asyncio.Semaphore | None = None
+
+        async def _open_and_write(self, value, tspec, ts_context):
+            if self._slots is None:  # made on the loop that writes
+                self._slots = asyncio.Semaphore(in_flight)
+            async with self._slots:
+                await super()._open_and_write(value.load(), tspec, ts_context)
+
+    return StreamingHandler()

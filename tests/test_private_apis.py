@@ -51,6 +51,15 @@ def test_the_stale_trial_query_still_takes_a_study_id() -> None:
         f"{importlib.metadata.version('optuna')}, not (self, study_id): update private_apis.py")
 
 
+def test_orbax_writes_one_numpy_array_from_value_spec_and_context() -> None:
+    write = _resolve(private_apis.USES[1])
+    params = list(inspect.signature(write).parameters)
+    assert params == ["self", "value", "tspec", "ts_context"], (
+        "orbax.checkpoint's NumpyHandler._open_and_write takes "
+        f"{params} in orbax-checkpoint {importlib.metadata.version('orbax-checkpoint')}: "
+        "update private_apis.streaming_numpy_handler")
+
+
 def _private_uses(path: Path) -> list[str]:
     """`obj._name` and imports of `_module`s or `_name`s from other packages in one file."""
     found = []

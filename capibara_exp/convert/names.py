@@ -26,6 +26,19 @@ class Entry:
     sources: Any  # a name, or a list (experts, scanned blocks) of nested names
     transpose: bool
 
+    @property
+    def depth(self) -> int:
+        """Leading axes of the parameter that stack HF tensors (experts, scanned blocks)."""
+        depth, x = 0, self.sources
+        while not isinstance(x, str):
+            depth, x = depth + 1, x[0]
+        return depth
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of each HF tensor of a parameter of `shape`."""
+        inner = tuple(shape[self.depth:])
+        return tuple(reversed(inner)) if self.transpose else inner
+
     def names(self) -> list[str]:
         out: list[str] = []
 
