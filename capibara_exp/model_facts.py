@@ -175,13 +175,6 @@ def kv_cache_bytes(s: Sizes, batch_size: int, length: int, dtype: str | None = N
     return per_layer * s.num_layers * _DTYPE_BYTES[dtype or s.dtype]
 
 
-def layer_weight_bytes_bound(s: Sizes) -> float:
-    """A float32 lower bound on one layer's weights (its attention and a dense MLP), for
-    checks that must not trace the network."""
-    attention, _ = _attention(s)
-    return 4.0 * (attention + _mlp(s))
-
-
 def lcm_period(*periods: int | None) -> int:
     """The period of a pattern of layers made of several periodic choices."""
     return math.lcm(*(p for p in periods if p)) if any(periods) else 1

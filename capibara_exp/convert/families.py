@@ -208,7 +208,8 @@ def hf_config(fam: Family, model: Mapping[str, Any], extra: Mapping[str, Any]) -
                 "full_attention" if (i + 1) % model["sliding_window_pattern"] == 0
                 else "sliding_attention" for i in range(model["num_layers"])]
     if fam.model_type in ("gemma2", "gemma3_text"):
-        out["query_pre_attn_scalar"] = model["query_pre_attn_scalar"]
+        scalar = float(model["query_pre_attn_scalar"])  # an int in Gemma's config.json
+        out["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
         out["attn_logit_softcapping"] = model.get("attn_logit_softcap")
         out["final_logit_softcapping"] = model.get("final_logit_softcap")
     if fam.model_type == "gemma3_text":

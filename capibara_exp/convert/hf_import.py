@@ -58,7 +58,7 @@ def read_config(hf_dir: Path) -> dict:
 
 def param_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The network's parameters by path and shape (traced, never computed)."""
-    tokens = jax.ShapeDtypeStruct((1, 8), np.int32)
+    tokens = jax.ShapeDtypeStruct((1, 128), np.int32)  # (splash's smallest block)
     net = network(model)
     shapes = jax.eval_shape(lambda t: net.init(jax.random.PRNGKey(0), t, t,
                                                enable_dropout=False), tokens)["params"]
@@ -85,7 +85,7 @@ def check_tensors(ckpt: safetensors_io.Checkpoint, entries: list[names.Entry],
         if ckpt.shape(name) != shape:
             raise ConfigError(f"{hf_dir / where}: tensor {name} has shape "
                               f"{list(ckpt.shape(name))}, the model needs {list(shape)}")
-        if ckpt.dtype(name).kind != "f":
+        if ckpt.dtype(name) not in safetensors_io.FLOATS:
             raise ConfigError(f"{hf_dir / where}: tensor {name} is {ckpt.dtype(name)}, not a "
                               "float (quantized checkpoints are not imported)")
     for name in sorted(have - set(wanted)):

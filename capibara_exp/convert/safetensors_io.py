@@ -28,6 +28,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
           "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
           "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+FLOATS = {np.dtype(DTYPES[k]) for k in ("F64", "F32", "F16", "BF16")}
 _MAX_HEADER = 100 * 2**20  # the format's own limit on a header's size
 
 
@@ -161,7 +162,7 @@ def write_file(path: Path, planned: Iterable[Planned], metadata: dict[str, str] 
             array = np.ascontiguousarray(values(), dtype=dtype)
             if array.shape != tuple(shape):
                 raise ValueError(f"{name}: planned shape {shape}, got {array.shape}")
-            f.write(array.data)
+            f.write(array.reshape(-1).view(np.uint8).data)  # (bfloat16 has no buffer format)
             yield name, array.nbytes
 
 

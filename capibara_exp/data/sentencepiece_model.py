@@ -2,7 +2,8 @@
 sentencepiece`), so the default experiment can train on subwords instead of bytes.
 
 The ids follow seqio's convention: 0 pad, 1 EOS, 2 UNK, no BOS; byte fallback, so every
-string encodes (unseen characters as their UTF-8 bytes). The report measures tokens per
+string encodes (unseen characters as their UTF-8 bytes), and no normalization (identity
+rule, whitespace kept), so every string decodes back as it was. The report measures tokens per
 byte of the corpus' validation split against the byte vocabulary's one per byte.
 """
 
@@ -41,6 +42,10 @@ def train(out: str | os.PathLike, data_dir: str | os.PathLike, vocab_size: int =
             input=str(text / "train.txt"), model_prefix=str(staging), vocab_size=vocab_size,
             model_type=model_type, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
             byte_fallback=True, character_coverage=1.0, input_sentence_size=2_000_000,
+            # text as it is (code: indentation, newlines, no NFKC folding), so that decoding
+            # gives back what was encoded
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
             shuffle_input_sentence=True, minloglevel=2, num_threads=os.cpu_count() or 1)
         os.replace(f"{staging}.model", out)
     finally:

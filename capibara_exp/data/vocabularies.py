@@ -71,7 +71,8 @@ class TokenizerJsonVocabulary(seqio.Vocabulary):
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
-        def encode(text: bytes) -> np.ndarray:
+        def encode(text) -> np.ndarray:  # a bytes scalar, as a 0-d object array or bytes
+            text = text.item() if isinstance(text, np.ndarray) else text
             return np.asarray(self._encode(text.decode("utf-8")), np.int32)
 
         ids = tf.numpy_function(encode, [s], tf.int32, stateful=False)

@@ -7,6 +7,7 @@ T5X parameter it does not implement is an error naming it, never silently ignore
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -130,7 +131,8 @@ class RestoreCheckpointConfig:
         if self.mode not in ("latest", "specific"):
             raise ValueError(f"utils.RestoreCheckpointConfig.mode: '{self.mode}' is not supported "
                              "by the local engine (use 'latest' or 'specific')")
-        transforms = tuple(f for f in self.state_transformation_fns if f is not as_saved)
+        transforms = tuple(f for f in self.state_transformation_fns  # gin may wrap it
+                           if inspect.unwrap(f) is not inspect.unwrap(as_saved))
         reject_unsupported("utils.RestoreCheckpointConfig", assignment_map=self.assignment_map,
                            restore_dataset=self.restore_dataset,
                            checkpointer_cls=self.checkpointer_cls,
