@@ -2,9 +2,9 @@
 into a Hugging Face model directory: config.json, safetensors weights (sharded with an index
 past `max_shard_bytes`) and the model's tokenizer files.
 
-The model is named by a conf/model entry (`model=`) or found beside the checkpoint: a run's
-Hydra config (.hydra/config.yaml), an import's conf/model/<entry>.yaml, or the run a LoRA
-export came from. Its family follows from its options (or `family=`); a model whose options
+The model is named by a conf/model entry (`model=`) or found beside the checkpoint: the
+values a run's config.gin rendered (or its Hydra config), an import's
+conf/model/<entry>.yaml, or the run a LoRA export or a merge came from. Its family follows from its options (or `family=`); a model whose options
 no published family has (T5's relative positions, say) is refused by name. Tensors are read
 from the checkpoint one parameter at a time and streamed into the files in the checkpoint's
 dtype (or `dtype=`); OUT is written beside its final name and renamed when complete.
@@ -12,8 +12,10 @@ dtype (or `dtype=`); OUT is written beside its final name and renamed when compl
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,16 +71,52 @@ def check_family(fam: families.Family, model: Mapping[str, Any]) -> None:
                           "published family scales them")
 
 
+_VALUE_RE = re.compile(r"^([A-Z][A-Z0-9_]*) = (.+?)  # model\.(\w+)$")
+_BINDING_RE = re.compile(r"^([A-Z][A-Z0-9_]*) = (.+)$")
+
+
+def model_of_gin(path: Path) -> dict | None:
+    """The `model` group a run trained, from its rendered config.gin: each model key's macro
+    line, then any later binding of the same macro (gin_bindings, --gin.X flags)."""
+    keys: dict[str, Any] = {}
+    macros: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        found = _VALUE_RE.match(line)
+        if found:
+            macros[found.group(1)] = found.group(3)
+            keys[found.group(3)] = _literal(found.group(2))
+            continue
+        bound = _BINDING_RE.match(line.strip())
+        if bound and bound.group(1) in macros:
+            keys[macros[bound.group(1)]] = _literal(bound.group(2))
+    return keys or None
+
+
+def _literal(text: str) -> Any:
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _model_of_dir(directory: Path) -> dict | None:
+    if (directory / "config.gin").is_file():  # a run (either engine, however started)
+        return model_of_gin(directory / "config.gin")
     hydra = directory / ".hydra" / "config.yaml"
     if hydra.is_file():
         return yaml.safe_load(hydra.read_text()).get("model")
     entries = sorted((directory / "conf" / "model").glob("*.yaml"))
     if len(entries) == 1:
         return compose_entry(entries[0].stem, str(directory / "conf"))
-    record = directory / "lora_export.json"
-    if record.is_file():
-        return _model_of_dir(Path(json.loads(record.read_text())["lora_run"]))
+    for record, source in (("lora_export.json", lambda r: r["lora_run"]),
+                           ("merge_report.json", lambda r: Path(
+                               r["candidates"][0]["checkpoint"]).parent)):
+        if (directory / record).is_file():  # a LoRA export or a merge: its source run's
+            try:
+                return _model_of_dir(Path(source(json.loads((directory / record).read_text()))))
+            except (KeyError, IndexError, TypeError, ValueError):
+                return None
     return None
 
 
