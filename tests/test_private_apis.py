@@ -31,7 +31,8 @@ def _resolve(use: private_apis.PrivateUse) -> object:
 @pytest.mark.parametrize("use", private_apis.USES, ids=lambda u: f"{u.module}.{u.name}")
 def test_every_listed_private_name_is_in_the_installed_library(
         use: private_apis.PrivateUse) -> None:
-    dist = use.module.split(".")[0]
+    top = use.module.split(".")[0]
+    dist = importlib.metadata.packages_distributions().get(top, [top])[0]
     version = importlib.metadata.version(dist)
     try:
         found = _resolve(use)

@@ -186,7 +186,7 @@ def _slices(entry: names.Entry, shape, dtype, leaf) -> list[safetensors_io.Plann
     for index, name in zip(np.ndindex(*shape[:entry.depth]), entry.names(), strict=True):
         def make(index=index):
             x = leaf(entry.path)[index]
-            return x.T if entry.transpose else x
+            return safetensors_io.transposed(x) if entry.transpose else x
         out.append((name, one, dtype, make))
     return out
 

@@ -109,7 +109,7 @@ def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
     def load(sources: Any) -> np.ndarray:
         if isinstance(sources, str):
             x = ckpt.tensor(sources)
-            return np.ascontiguousarray(x.T if entry.transpose else x)
+            return safetensors_io.transposed(x) if entry.transpose else x
         return np.stack([load(s) for s in sources])
 
     make: Callable[[], np.ndarray] = lambda: load(entry.sources)  # noqa: E731
@@ -164,7 +164,10 @@ def import_model(hf_dir: str | Path, out: str | Path, name: str | None = None,
     ckpt = safetensors_io.Checkpoint(hf_dir)
     entries = names.entries(fam, keys)
     with phases.phase("checking the model's tensors"):
-        shapes = param_shapes(keys)
+        try:
+            shapes = param_shapes(keys)
+        except ValueError as err:  # a config the networks refuse (nets.DecoderConfig's checks)
+            raise ConfigError(f"{hf_dir / 'config.json'}: {err}") from None
         check_tensors(ckpt, entries, shapes, hf_dir)
     staging = out.with_name(f"{out.name}.importing-{os.getpid()}")
     try:

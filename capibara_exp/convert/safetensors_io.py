@@ -5,8 +5,8 @@ data_offsets: [begin, end]}} and an optional "__metadata__" of strings) and the 
 bytes, little-endian and row-major. A sharded model lists its files in
 `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map": {name: file}}).
 
-Reading maps a file into memory (np.memmap) and views each tensor in place, so a tensor is
-read from disk when it is used and nothing else is held. Writing computes the header from
+Reading reads each tensor when it is used (one read of its bytes into a new array), so
+nothing else is held, not even as mapped pages. Writing computes the header from
 the shapes first, then streams each tensor's bytes in order: host memory is one tensor.
 """
 
@@ -55,7 +55,7 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", {}) or {}
         self.entries = header
         self._start = 8 + length
-        self._map: np.memmap | None = None
+        self._size = path.stat().st_size
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -71,16 +71,14 @@ class SafetensorsFile:
         return np.dtype(DTYPES[code])
 
     def tensor(self, name: str) -> np.ndarray:
-        """The tensor as a read-only view of the mapped file."""
-        if self._map is None:
-            self._map = np.memmap(self.path, np.uint8, mode="r")
+        """The tensor, read from the file into a new array."""
         begin, end = self.entries[name]["data_offsets"]
         dtype, shape = self.dtype(name), self.shape(name)
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - begin != expected or self._start + end > self._map.size:
+        if end - begin != expected or self._start + end > self._size:
             raise ConfigError(f"{self.path}: tensor {name} has {end - begin} bytes for shape "
                               f"{list(shape)} {dtype} ({expected} expected), or the file is cut")
-        raw = self._map[self._start + begin:self._start + end]
+        raw = np.fromfile(self.path, np.uint8, count=end - begin, offset=self._start + begin)
         return raw.view(dtype).reshape(shape)
 
 
@@ -121,6 +119,23 @@ class Checkpoint:
 
     def dtype(self, name: str) -> np.dtype:
         return self.where[name].dtype(name)
+
+
+def transposed(x: np.ndarray, tile: int = 256) -> np.ndarray:
+    """x.T as a new contiguous array, copied tile by tile (numpy's own strided copy of a large
+    2-D transpose runs at a fraction of the memory bandwidth)."""
+    if x.ndim != 2:
+        return np.ascontiguousarray(x.T)
+    out = np.empty(x.shape[::-1], x.dtype)
+    src, dst = x.view(_UINTS.get(x.dtype.itemsize, x.dtype)), out.view(
+        _UINTS.get(x.dtype.itemsize, x.dtype))
+    for i in range(0, x.shape[0], tile):
+        for j in range(0, x.shape[1], tile):
+            dst[j:j + tile, i:i + tile] = src[i:i + tile, j:j + tile].T
+    return out
+
+
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 # A tensor to write: its name, shape, dtype and a function giving its values when written.

@@ -49,6 +49,11 @@ class TokenizerJsonVocabulary(seqio.Vocabulary):
         return self._path
 
     @property
+    def digest(self) -> str:
+        """SHA-256 of the tokenizer.json: what makes two of these the same vocabulary."""
+        return self._digest
+
+    @property
     def eos_id(self) -> int | None:
         return self._special.get("eos")
 
@@ -87,7 +92,7 @@ class TokenizerJsonVocabulary(seqio.Vocabulary):
         return tf.ensure_shape(tf.numpy_function(decode, [ids], tf.string, stateful=False), [])
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, TokenizerJsonVocabulary) and self._digest == other._digest
+        return (isinstance(other, TokenizerJsonVocabulary) and self.digest == other.digest
                 and self.extra_ids == other.extra_ids)
 
     def __hash__(self) -> int:
