@@ -268,6 +268,26 @@ def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool)
 
 
 @pytest.mark.slow
+def test_splash_kernel_with_grouped_heads_a_window_and_a_soft_cap_matches_dot() -> None:
+    """Grouped-query attention through the kernel's multi-query form (4 query heads over 2
+    key/value heads), a local window of 40 keys and Gemma 2's soft-cap, against dot."""
+    from capibara_exp.nets import attention, splash
+
+    (q, _, _), tokens, _, mask = _qkv_and_masks(2, False)
+    q = jnp.concatenate([q, q[..., ::-1]], axis=2)  # 4 query heads
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.normal(size=(2, 256, 2, 64)), jnp.float32) for _ in range(2))
+    positions = jnp.arange(256)[None]
+    local = mask & attention.window_mask(positions, positions, 40)
+    real = np.asarray(tokens > 0)[:, :, None, None]
+    want = jax.jit(lambda q, k, v: attention.dot_attention(q, k, v, local, cap=2.0))(q, k, v)
+    got = jax.jit(lambda q, k, v: splash.splash_attention(
+        q, k, v, splash.segments_for_splash(tokens), cap=2.0, window=40, interpret=True))(q, k, v)
+    assert float(jnp.max(jnp.abs(jnp.where(real, want, 0.0)))) > 0.1
+    assert float(jnp.max(jnp.abs(jnp.where(real, want - got, 0.0)))) < 1e-5
+
+
+@pytest.mark.slow
 def test_splash_config_runs_dot_attention_off_tpu_and_names_what_it_cannot_do() -> None:
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 128), 1, SIZES["vocab_size"])
     configs = {a: DecoderConfig(**SIZES, position_embedding="rope", attention=a)
