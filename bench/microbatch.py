@@ -106,10 +106,8 @@ def main() -> None:
         return trainer, trainer.prepare_state(state)
 
     times = time_settings(make_trainer, batch, args.rounds, args.steps)
-    params = jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), 1,
-                                                                length))["params"]
     flops = batch_size * length * model_flops_per_token(
-        params, net_config, length, getattr(model.module, "moe_config", None))
+        net_config, length, getattr(model.module, "moe_config", None))
     print(f"\nglobal batch {batch_size} x {length} tokens; {args.rounds} rounds x {args.steps} "
           f"steps; matmul peak {peak / 1e9:.1f} GFLOP/s")
     print_table(times, batch_size, flops, peak)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp import config_schema
+from capibara_exp import config_schema, model_facts
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
 
@@ -230,6 +231,50 @@ def _rope(v: dict[str, Any]) -> Found:
     head_dim = v.get("model.head_dim")
     if v.get("model.position_embedding") == "rope" and isinstance(head_dim, int) and head_dim % 2:
         return "model.head_dim", "must be even with position_embedding=rope (rotated in pairs)"
+    low, high = v.get("model.rope_low_freq_factor"), v.get("model.rope_high_freq_factor")
+    if v.get("model.rope_scaling") == "llama3" and _numbers(low, high) and high <= low:
+        return ("model.rope_high_freq_factor",
+                f"must exceed model.rope_low_freq_factor={low} with rope_scaling=llama3")
+    return None
+
+
+def _numbers(*values: Any) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) for x in values)
+
+
+def _attention_heads(v: dict[str, Any]) -> Found:
+    heads, kv = v.get("model.num_heads"), v.get("model.num_kv_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        return "model.num_kv_heads", (f"must divide model.num_heads={heads} (query heads share "
+                                      "key/value heads in equal groups)")
+    if v.get("model.sliding_window_pattern") is not None and v.get("model.sliding_window") is None:
+        return ("model.sliding_window_pattern",
+                "needs model.sliding_window (the window of the local layers)")
+    return None
+
+
+def _initial_checkpoint(v: dict[str, Any]) -> Found:
+    path = v.get("checkpoint.initial_checkpoint")
+    if isinstance(path, str) and not os.path.isdir(os.path.join(os.path.expanduser(path),
+                                                                "state")):
+        found = sorted(Path(path).expanduser().glob("checkpoint_*/state"))
+        hint = f" (did you mean {found[-1].parent}?)" if found else ""
+        return ("checkpoint.initial_checkpoint",
+                f"{path} is not a checkpoint_<step> dir with state/{hint}")
+    return None
+
+
+def _vocabulary(v: dict[str, Any]) -> Found:
+    kind, path, size = (v.get("model.vocabulary"), v.get("model.vocabulary_path"),
+                        v.get("model.vocab_size"))
+    if kind in ("sentencepiece", "tokenizer_json") and not isinstance(path, str):
+        return "model.vocabulary_path", f"must name the tokenizer file with vocabulary={kind}"
+    if isinstance(path, str) and kind in ("sentencepiece", "tokenizer_json") and \
+            not os.path.isfile(os.path.expanduser(path)):
+        return "model.vocabulary_path", f"{path} is not a file"
+    if kind == "byte" and isinstance(size, int) and size < model_facts.BYTE_VOCAB_SIZE:
+        return ("model.vocab_size", f"must be >= {model_facts.BYTE_VOCAB_SIZE} with "
+                "vocabulary=byte (256 bytes and 3 special ids)")
     return None
 
 
@@ -287,7 +332,8 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 
 
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
-    "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _schedule,
+    "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _attention_heads,
+               _vocabulary, _initial_checkpoint, _schedule,
                _consensus, _curriculum, _lora_consensus),
     "merge": (_merge_weights,),
 }

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from capibara_exp import topologies
+from capibara_exp import model_facts, topologies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +174,26 @@ RULES: dict[str, Rule] = {
     # model
     "model.vocab_size": POSITIVE, "model.emb_dim": POSITIVE, "model.num_heads": POSITIVE,
     "model.head_dim": POSITIVE, "model.num_layers": POSITIVE, "model.mlp_dim": POSITIVE,
-    "model.mlp_activations": ListOf(Choice("gelu", "relu", "silu", "linear")),
+    "model.mlp_activations": ListOf(Choice(*model_facts.ACTIVATIONS)),
     "model.dropout_rate": RATE,
-    "model.position_embedding": Choice("relative", "rope"),
-    "model.dtype": Choice("float32", "bfloat16"),
-    "model.remat_policy": Choice("none", "full", "dots"),
-    "model.attention": Choice("dot", "splash"),
+    "model.position_embedding": Choice(*model_facts.POSITION_EMBEDDINGS),
+    "model.dtype": Choice(*model_facts.DTYPES),
+    "model.remat_policy": Choice(*model_facts.REMAT_POLICIES),
+    "model.attention": Choice(*model_facts.ATTENTIONS),
+    "model.vocabulary": Choice(*model_facts.VOCABULARIES),
+    "model.vocabulary_path": Rule("str", null=True),
+    "model.num_kv_heads": Int(1, null=True),
+    "model.rope_max_wavelength": Float(gt=0.0),
+    "model.rope_scaling": Choice(*model_facts.ROPE_SCALINGS),
+    "model.rope_scaling_factor": Float(gt=0.0), "model.rope_low_freq_factor": Float(gt=0.0),
+    "model.rope_high_freq_factor": Float(gt=0.0), "model.rope_original_max_positions": POSITIVE,
+    "model.local_rope_max_wavelength": Float(gt=0.0, null=True),
+    "model.query_pre_attn_scalar": Float(gt=0.0, null=True),
+    "model.attn_logit_softcap": Float(gt=0.0, null=True),
+    "model.final_logit_softcap": Float(gt=0.0, null=True),
+    "model.sliding_window": Int(1, null=True), "model.sliding_window_pattern": Int(1, null=True),
+    "model.norm_epsilon": Float(gt=0.0),
+    "model.norm_placement": Choice(*model_facts.NORM_PLACEMENTS),
     "model.z_loss": Float(0.0), "model.label_smoothing": RATE,
     "model.num_experts": POSITIVE, "model.num_selected_experts": POSITIVE,
     "model.capacity_factor": Float(gt=0.0), "model.eval_capacity_factor": Float(gt=0.0),
@@ -210,6 +224,7 @@ RULES: dict[str, Rule] = {
     # checkpoint
     "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
     "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),
+    "checkpoint.initial_checkpoint": Rule("str", null=True),
     # engine
     "engine.name": Choice("local", "t5x", "tpu_vm"), "engine.runtime": Choice("t5x", "local"),
     "engine.python": Rule("str", null=True), "engine.extra_flags": ListOf(Rule("str")),

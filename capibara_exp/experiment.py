@@ -126,7 +126,7 @@ def _t5x_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
     """What T5X needs to continue the run dir's checkpoints, as gin_bindings (in config.gin)."""
     from capibara_exp.launch import t5x_engine
 
-    extra = t5x_engine.resume_bindings(run_dir)
+    extra = t5x_engine.resume_bindings(run_dir, cfg.checkpoint.get("initial_checkpoint"))
     if extra:
         with open_dict(cfg):
             cfg.gin_bindings = [*cfg.get("gin_bindings", []), *extra]

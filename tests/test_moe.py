@@ -257,27 +257,22 @@ def test_model_flops_count_the_router_and_k_of_e_experts_as_by_hand() -> None:
     # lookup is no matmul); PaLM's attention term 12 x layers x heads x head_dim x length.
     attention, mlp, router, logits = 4 * 32 * 32, 3 * 32 * 48, 32 * 4, 32 * 64
     attention_term = 12 * 2 * 2 * 16 * 12
-    tokens = jnp.ones(SHAPE, jnp.int32)
-
-    def params_of(net) -> dict:
-        init = functools.partial(net.init, enable_dropout=False)
-        return jax.eval_shape(init, jax.random.PRNGKey(0), tokens, tokens)["params"]
-
-    dense = metrics.model_flops_per_token(params_of(Decoder(DecoderConfig(**SIZES))),
-                                          DecoderConfig(**SIZES), 12)
+    dense = metrics.model_flops_per_token(DecoderConfig(**SIZES), 12)
     assert dense == 6 * (2 * attention + 2 * mlp + logits) + attention_term
     for k in (1, 2):
         moe_cfg = MoeConfig(num_experts=4, num_selected_experts=k)
-        params = params_of(MoeDecoder(DecoderConfig(**SIZES), moe_cfg))
-        got = metrics.model_flops_per_token(params, DecoderConfig(**SIZES), 12, moe_cfg)
+        got = metrics.model_flops_per_token(DecoderConfig(**SIZES), 12, moe_cfg)
         assert got == 6 * (2 * attention + mlp + router + k * mlp + logits) + attention_term
     # Top-1 over experts as wide as the dense MLP: equal active weights but the router.
     moe_cfg = MoeConfig(num_experts=4, num_selected_experts=1)
-    top1 = metrics.model_flops_per_token(params_of(MoeDecoder(DecoderConfig(**SIZES), moe_cfg)),
-                                         DecoderConfig(**SIZES), 12, moe_cfg)
+    top1 = metrics.model_flops_per_token(DecoderConfig(**SIZES), 12, moe_cfg)
     assert top1 - dense == 6 * router
-    with pytest.raises(ValueError, match="layers_1/mlp/expert/wi_0 is an expert kernel"):
-        metrics.model_flops_per_token(params, DecoderConfig(**SIZES), 12)
+    # Grouped-query attention: the key and value projections shrink with the heads, and a
+    # sliding window of 5 bounds the attention term of the layers that use it (all here).
+    gqa = metrics.model_flops_per_token(DecoderConfig(**SIZES, num_kv_heads=1), 12)
+    assert dense - gqa == 6 * 2 * 2 * 32 * 16  # 2 layers, k and v lose one head of 16
+    windowed = metrics.model_flops_per_token(DecoderConfig(**SIZES, sliding_window=5), 12)
+    assert dense - windowed == 12 * 2 * 2 * 16 * (12 - 5)
 
 
 def test_peak_flops_are_measured_and_stored_in_the_compute_dtype(tmp_path: Path) -> None:

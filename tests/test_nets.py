@@ -194,12 +194,6 @@ def test_dropout_changes_outputs_only_when_enabled() -> None:
     np.testing.assert_array_equal(evaluate(0), logits(*make(), tokens))  # same params, no dropout
 
 
-def test_decode_is_a_clear_error() -> None:
-    net, variables = make()
-    with pytest.raises(NotImplementedError, match="autoregressive decoding"):
-        net.apply({"params": variables["params"]}, tokens_of(0), tokens_of(0), decode=True)
-
-
 def test_config_accepts_lists_from_gin_and_yaml() -> None:
     config = DecoderConfig(**SIZES, mlp_activations=["gelu", "linear"])
     assert config.mlp_activations == ("gelu", "linear")
@@ -249,11 +243,11 @@ def _qkv_and_masks(seed: int, packed: bool):
 def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool) -> None:
     """JAX's Pallas splash kernel (run by the Pallas interpreter on CPU) against the dot
     reference on every real position: outputs and the gradients of q, k and v."""
-    from capibara_exp.nets import attention
+    from capibara_exp.nets import attention, splash
 
     qkv, tokens, segments, mask = _qkv_and_masks(int(packed), packed)
     real = np.asarray(tokens > 0)[:, :, None, None]
-    kernel_segments = attention.segments_for_splash(tokens, segments)
+    kernel_segments = splash.segments_for_splash(tokens, segments)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v), 0.0) ** 2)
@@ -261,16 +255,36 @@ def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool)
     def dot(q, k, v):
         return attention.dot_attention(q, k, v, mask)
 
-    def splash(q, k, v):
-        return attention.splash_attention(q, k, v, kernel_segments, interpret=True)
+    def kernel(q, k, v):
+        return splash.splash_attention(q, k, v, kernel_segments, interpret=True)
 
-    want, got = jax.jit(dot)(*qkv), jax.jit(splash)(*qkv)
+    want, got = jax.jit(dot)(*qkv), jax.jit(kernel)(*qkv)
     assert float(jnp.max(jnp.abs(jnp.where(real, want - got, 0.0)))) < 1e-5
     grads_want = jax.jit(jax.grad(loss(dot), argnums=(0, 1, 2)))(*qkv)
-    grads_got = jax.jit(jax.grad(loss(splash), argnums=(0, 1, 2)))(*qkv)
+    grads_got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(*qkv)
     for name, a, b in zip("qkv", grads_want, grads_got, strict=True):
         scale = float(jnp.max(jnp.abs(a)))
         assert scale > 1.0 and float(jnp.max(jnp.abs(a - b))) < 1e-5 * scale, name
+
+
+@pytest.mark.slow
+def test_splash_kernel_with_grouped_heads_a_window_and_a_soft_cap_matches_dot() -> None:
+    """Grouped-query attention through the kernel's multi-query form (4 query heads over 2
+    key/value heads), a local window of 40 keys and Gemma 2's soft-cap, against dot."""
+    from capibara_exp.nets import attention, splash
+
+    (q, _, _), tokens, _, mask = _qkv_and_masks(2, False)
+    q = jnp.concatenate([q, q[..., ::-1]], axis=2)  # 4 query heads
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.normal(size=(2, 256, 2, 64)), jnp.float32) for _ in range(2))
+    positions = jnp.arange(256)[None]
+    local = mask & attention.window_mask(positions, positions, 40)
+    real = np.asarray(tokens > 0)[:, :, None, None]
+    want = jax.jit(lambda q, k, v: attention.dot_attention(q, k, v, local, cap=2.0))(q, k, v)
+    got = jax.jit(lambda q, k, v: splash.splash_attention(
+        q, k, v, splash.segments_for_splash(tokens), cap=2.0, window=40, interpret=True))(q, k, v)
+    assert float(jnp.max(jnp.abs(jnp.where(real, want, 0.0)))) > 0.1
+    assert float(jnp.max(jnp.abs(jnp.where(real, want - got, 0.0)))) < 1e-5
 
 
 @pytest.mark.slow

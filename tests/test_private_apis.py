@@ -33,7 +33,8 @@ def _resolve(use: private_apis.PrivateUse) -> object:
 @pytest.mark.parametrize("use", private_apis.USES, ids=lambda u: f"{u.module}.{u.name}")
 def test_every_listed_private_name_is_in_the_installed_library(
         use: private_apis.PrivateUse) -> None:
-    dist = use.module.split(".")[0]
+    top = use.module.split(".")[0]
+    dist = importlib.metadata.packages_distributions().get(top, [top])[0]
     version = importlib.metadata.version(dist)
     try:
         found = _resolve(use)
@@ -68,6 +69,15 @@ def test_jax_keeps_its_coordination_client_where_distributed_client_reads_it() -
         doc = getattr(_jax.DistributedRuntimeClient, name).__doc__ or ""
         assert needs in doc, (f"DistributedRuntimeClient.{name} changed: "
                               f"{doc.splitlines()[:1]}; update launch/peers.py")
+
+
+def test_orbax_writes_one_numpy_array_from_value_spec_and_context() -> None:
+    write = _resolve(private_apis.USES[1])
+    params = list(inspect.signature(write).parameters)
+    assert params == ["self", "value", "tspec", "ts_context"], (
+        "orbax.checkpoint's NumpyHandler._open_and_write takes "
+        f"{params} in orbax-checkpoint {importlib.metadata.version('orbax-checkpoint')}: "
+        "update private_apis.streaming_numpy_handler")
 
 
 def _private_uses(path: Path) -> list[str]:

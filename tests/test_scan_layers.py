@@ -77,9 +77,26 @@ def test_scanned_decoder_matches_unrolled(moe):
                                        atol=1e-6, err_msg=key)
 
 
-def test_scan_needs_whole_blocks():
-    model = MoeDecoder(dataclasses.replace(CONFIG, num_layers=3, scan_layers=True),
-                       moe_config=MoeConfig(num_experts=4, moe_layer_interval=2))
+def test_layers_past_the_last_whole_block_stay_unrolled_and_compute_the_same():
+    """Gemma 3's 26 layers repeat a block of 6 (five local, one global): four blocks
+    scanned, layers 24 and 25 unrolled. The same with 5 layers in blocks of 3."""
+    config = dataclasses.replace(CONFIG, num_layers=5, position_embedding="rope",
+                                 sliding_window=3, sliding_window_pattern=3)
+    unrolled, scanned = Decoder(config), Decoder(dataclasses.replace(config, scan_layers=True))
     tokens = _tokens()
-    with pytest.raises(ValueError, match="num_layers=3 is not a multiple of the scanned block"):
-        model.init({"params": jax.random.PRNGKey(0)}, tokens, tokens, enable_dropout=False)
+    variables = jax.jit(lambda rng: unrolled.init({"params": rng}, tokens, tokens,
+                                                  enable_dropout=False))(jax.random.PRNGKey(0))
+    flat = traverse_util.flatten_dict(unfreeze(variables["params"]), sep="/")
+    scanned_params = stack_unrolled({k: v for k, v in variables["params"].items()
+                                     if k not in ("layers_3", "layers_4")}, 3)
+    scanned_params = {**scanned_params, "layers_3": variables["params"]["layers_3"],
+                      "layers_4": variables["params"]["layers_4"]}
+    shapes = jax.eval_shape(lambda: scanned.init({"params": jax.random.PRNGKey(0)}, tokens,
+                                                 tokens, enable_dropout=False))["params"]
+    assert sorted(traverse_util.flatten_dict(unfreeze(shapes), sep="/")) == sorted(
+        traverse_util.flatten_dict(scanned_params, sep="/"))
+    assert "layers_4/self_attention/query/kernel" in flat
+    want = unrolled.apply({"params": variables["params"]}, tokens, tokens, enable_dropout=False)
+    got = scanned.apply({"params": scanned_params}, tokens, tokens, enable_dropout=False)
+    assert not np.allclose(np.asarray(want), 0.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

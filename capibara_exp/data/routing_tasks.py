@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from capibara_exp.data import routing
 from capibara_exp.data.e2b import build
-from capibara_exp.data.tasks import LM_OUTPUT_FEATURES, data_dir, split_to_length
+from capibara_exp.data.tasks import data_dir, output_features, split_to_length, variant_name
 
 TASK_PREFIX = "capibara_routing_"
 SOURCE_TASKS = {"e2b_logs": "capibara_e2b_logs", "ace_playbooks": "capibara_ace_playbooks"}
@@ -66,7 +66,8 @@ def _dataset_fn(kind: str, name: str):
     return dataset_fn
 
 
-def _add_task(name: str, kind: str, source_name: str) -> None:
+def _add_task(name: str, kind: str, source_name: str,
+              vocabulary: seqio.Vocabulary | None = None) -> None:
     if name in seqio.TaskRegistry.names():
         return
     seqio.TaskRegistry.add(
@@ -77,7 +78,7 @@ def _add_task(name: str, kind: str, source_name: str) -> None:
             split_to_length,
             seqio.preprocessors.append_eos_after_trim,
         ],
-        output_features=LM_OUTPUT_FEATURES,
+        output_features=output_features(vocabulary),
         metric_fns=[],
     )
 
@@ -95,8 +96,12 @@ def _check_rates(name: str, rates: dict) -> dict[str, float]:
     return {k: float(v) for k, v in rates.items()}
 
 
-def _task_of(key: str) -> str:
-    return SOURCE_TASKS.get(key) or domain_task(key)
+def _task_of(key: str, vocabulary: seqio.Vocabulary | None = None) -> str:
+    """The task of a domain or source, in a vocabulary (registered on first use)."""
+    name = variant_name(SOURCE_TASKS.get(key) or domain_task(key), vocabulary)
+    kind = "sources" if key in SOURCE_TASKS else "routing"
+    _add_task(name, kind, key, vocabulary)
+    return name
 
 
 def _left_out(build_first: bool) -> dict[str, str]:
@@ -120,29 +125,37 @@ def _without_left_out(name: str, rates: dict[str, float], left_out: dict) -> dic
     return kept
 
 
-def add_mixture(name: str, rates: dict, left_out: dict | None = None) -> str:
+def add_mixture(name: str, rates: dict, left_out: dict | None = None,
+                vocabulary: seqio.Vocabulary | None = None) -> str:
     """Register a mixture of routing tasks (keys: domains or sources) with these rates."""
     rates = _without_left_out(name, _check_rates(name, rates), left_out or {})
     if name not in seqio.MixtureRegistry.names():
-        seqio.MixtureRegistry.add(name, [(_task_of(k), r) for k, r in rates.items() if r > 0])
+        seqio.MixtureRegistry.add(
+            name, [(_task_of(k, vocabulary), r) for k, r in rates.items() if r > 0])
     return name
 
 
-def mixture_with_rates(name: str, rates: dict) -> str:
-    """The mixture `name` if it has these rates, else a registered variant that has them.
+def mixture_with_rates(name: str, rates: dict,
+                       vocabulary: seqio.Vocabulary | None = None) -> str:
+    """The mixture `name` (in the model's vocabulary) if it has these rates, else a
+    registered variant that has them.
 
     gin calls this (gin/data/routing.gin), so rates overridden on the command line
-    (data.mixture_rates.sql=2.0) reach the mixture in both engines.
+    (data.mixture_rates.sql=2.0) and the model's vocabulary reach the mixture in both
+    engines.
     """
     left_out = _left_out(build_first=True)
     rates = _without_left_out(name, _check_rates(name, dict(rates)), left_out)
-    if name in seqio.MixtureRegistry.names():
-        mixture = seqio.get_mixture_or_task(name)
+    base = variant_name(name, vocabulary)
+    if base in seqio.MixtureRegistry.names():
+        mixture = seqio.get_mixture_or_task(base)
         current = {t.name: mixture.get_rate(t) for t in mixture.tasks}
-        if current == {_task_of(k): r for k, r in rates.items() if r > 0}:
-            return name
+        if current == {_task_of(k, vocabulary): r for k, r in rates.items() if r > 0}:
+            return base
+    if base != name and rates == _shipped_mixtures().get(name):
+        return add_mixture(base, rates, left_out, vocabulary)
     tag = hashlib.sha256(json.dumps(rates, sort_keys=True).encode()).hexdigest()[:8]
-    return add_mixture(f"{name}_{tag}", rates, left_out)
+    return add_mixture(f"{base}_{tag}", rates, left_out, vocabulary)
 
 
 def _shipped_mixtures() -> dict[str, dict]:

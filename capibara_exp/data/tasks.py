@@ -12,7 +12,7 @@ from pathlib import Path
 import seqio
 import tensorflow as tf
 
-from capibara_exp.data import corpus
+from capibara_exp.data import corpus, vocabularies
 
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
 DEFAULT_DATA_DIR = Path.home() / ".cache" / "capibara-exp" / "data"
@@ -61,22 +61,50 @@ def split_to_length(
     return dataset.flat_map(pieces)
 
 
+def output_features(vocabulary: seqio.Vocabulary | None = None) -> dict:
+    """The LM tasks' one feature, `targets`, in a vocabulary (the byte one by default)."""
+    if vocabulary is None or vocabulary == VOCABULARY:
+        return LM_OUTPUT_FEATURES
+    return {"targets": seqio.Feature(vocabulary=vocabulary, add_eos=True)}
+
+
+def variant_name(name: str, vocabulary: seqio.Vocabulary | None) -> str:
+    """A task's name in a vocabulary: the name itself for the byte vocabulary, else the name
+    and the vocabulary's tag (a task's features are fixed when it is registered)."""
+    tag = vocabularies.tag(vocabulary) if vocabulary is not None else ""
+    return f"{name}_{tag}" if tag else name
+
+
+def _add_lm_task(name: str, vocabulary: seqio.Vocabulary | None) -> str:
+    task = variant_name(name, vocabulary)
+    if task not in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.add(
+            task,
+            source=seqio.FunctionDataSource(dataset_fn=_corpus_lines,
+                                            splits=("train", "validation")),
+            preprocessors=[
+                _text_to_targets,
+                seqio.preprocessors.tokenize,
+                split_to_length,
+                seqio.preprocessors.append_eos_after_trim,
+            ],
+            output_features=output_features(vocabulary),
+            metric_fns=[],
+        )
+    return task
+
+
+def lm_task(name: str = BYTES_LM, vocabulary: seqio.Vocabulary | None = None) -> str:
+    """The language-modelling task in the model's vocabulary, registered on first use; gin
+    calls it (gin/data/lm.gin), so both engines read the same tokens."""
+    if name != BYTES_LM:
+        return name  # a task of the user's own module: its features are its own
+    return _add_lm_task(name, vocabulary)
+
+
 def register() -> None:
-    """Register the project's tasks (idempotent)."""
-    if BYTES_LM in seqio.TaskRegistry.names():
-        return
-    seqio.TaskRegistry.add(
-        BYTES_LM,
-        source=seqio.FunctionDataSource(dataset_fn=_corpus_lines, splits=("train", "validation")),
-        preprocessors=[
-            _text_to_targets,
-            seqio.preprocessors.tokenize,
-            split_to_length,
-            seqio.preprocessors.append_eos_after_trim,
-        ],
-        output_features=LM_OUTPUT_FEATURES,
-        metric_fns=[],
-    )
+    """Register the project's tasks in the byte vocabulary (idempotent)."""
+    _add_lm_task(BYTES_LM, None)
 
 
 register()

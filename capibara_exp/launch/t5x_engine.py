@@ -63,18 +63,20 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
     return evaluation
 
 
-def resume_bindings(model_dir: Path) -> list[str]:
-    """Gin bindings T5X needs to continue model_dir: none, unless its latest checkpoint was
-    written by the local engine, which keeps no tf.data iterator in it. T5X then continues
-    from its parameters with its data stream from the beginning (and says so), instead of
-    failing on the missing `dataset` item."""
+def resume_bindings(model_dir: Path, initial_checkpoint: str | None = None) -> list[str]:
+    """Gin bindings T5X needs to continue model_dir, or to start from an initial checkpoint:
+    none, unless the checkpoint it restores keeps no tf.data iterator (one the local engine,
+    an import or a merge wrote). T5X then starts from its parameters with its data stream
+    from the beginning (and says so), instead of failing on the missing `dataset` item."""
     steps = sorted(int(d.name.split("_")[1]) for d in model_dir.glob("checkpoint_*")
                    if d.name.split("_")[1].isdigit() and (d / "state").is_dir())
-    if not steps or (model_dir / f"checkpoint_{steps[-1]}" / "dataset").is_dir():
+    source = (model_dir / f"checkpoint_{steps[-1]}" if steps else
+              Path(initial_checkpoint) if initial_checkpoint else None)
+    if source is None or (source / "dataset").is_dir():
         return []
-    print(f"capibara-exp: {model_dir}/checkpoint_{steps[-1]} was written by the local engine, "
-          "which keeps no tf.data iterator: T5X continues from its parameters with its data "
-          "stream from the beginning", file=sys.stderr)
+    print(f"capibara-exp: {source} keeps no tf.data iterator (the local engine, an import or "
+          "a merge wrote it): T5X continues from its parameters with its data stream from "
+          "the beginning", file=sys.stderr)
     return ["utils.SaveCheckpointConfig.save_dataset = False"]
 
 

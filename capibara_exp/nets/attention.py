@@ -1,19 +1,24 @@
-"""Causal self-attention: dot-product attention, and JAX's Pallas splash-attention kernel on TPU.
+"""Causal self-attention with grouped key/value heads, and its decoding cache.
 
 `DecoderConfig.attention` picks the implementation:
 
 - `dot`: einsums and a softmax over the full [B, H, L, S] scores, on every platform. It is
-  the reference: relative position bias, prefix-LM masks and attention dropout all work.
-- `splash`: `jax.experimental.pallas.ops.tpu.splash_attention` (what MaxText's
-  `attention='flash'` runs on TPU today): blocks of queries and keys in VMEM, fully masked
-  blocks skipped, the scores never written to HBM. The kernel is TPU-only, so the choice is
-  made when the step is lowered (`lax.platform_dependent`): lowered for a TPU (a real slice
-  or an ahead-of-time compile for one), it is the kernel; lowered for CPU or GPU, the same
-  config runs `dot`. The mask it applies is causal within a segment (packing), padding
-  (target 0) its own segment, which is `dot`'s mask on every real position.
+  the reference: relative position bias, prefix-LM masks, sliding windows, soft-capped
+  scores and attention dropout all work, and decoding always runs it.
+- `splash`: `jax.experimental.pallas.ops.tpu.splash_attention` (nets/splash.py) when the
+  step is lowered for a TPU, `dot` elsewhere.
 
-Shape suffixes as in nets/decoder.py: B batch, L query length, S key length, D embed,
-H heads, K head dim.
+Grouped-query attention: `num_kv_heads` key/value heads, each shared by num_heads /
+num_kv_heads consecutive query heads (query head h reads key/value head h // group).
+
+Decoding follows T5X's convention (its `DecoderOnlyModel.predict_batch` drives it): with
+`decode=True` the first call creates the 'cache' collection (`cached_key`, `cached_value`:
+[B, KV heads, K, S], and `cache_index`); `prefill=True` fills it with a whole prompt at once
+(positions below `prefill_lengths`); then each `decode=True` call takes one token per row,
+writes its key and value at the row's `cache_index` and attends to every cached position
+up to it.
+
+Shape suffixes as in nets/decoder.py, plus G key/value heads and R query heads per group.
 """
 
 from __future__ import annotations
@@ -21,134 +26,153 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp.nets.layers import Dense, constrain, dropout, rotate
+from capibara_exp.nets import splash
+from capibara_exp.nets.layers import Dense, RMSNorm, constrain, dropout, softcap
+from capibara_exp.nets.positions import rotate
 
-ATTENTIONS = ("dot", "splash")
-# Splash's query/key block: MaxText's default (sa_block_q = sa_block_kv = 512); shorter
-# sequences use one block of their own length.
-SPLASH_BLOCK = 512
+CACHE_AXES = ("batch", "kv_heads", "kv", "length")  # of cached_key / cached_value
 
 
-def dot_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, mask_Bx1xLxS, bias_BxHxLxS=None,
+def dot_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xLxS, bias_BxHxLxS=None, *,
+                  scale: float | None = None, cap: float | None = None,
                   probs_dropout=lambda p: p):
-    """Softmax(q k^T + bias) v with float32 scores; masked scores get float32's minimum."""
+    """Softmax(q k^T * scale, soft-capped, + bias) v with float32 scores; masked scores get
+    float32's minimum. Query heads are grouped over the key/value heads."""
     dtype = q_BxLxHxK.dtype
-    scores_BxHxLxS = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK,
-                                preferred_element_type=jnp.float32)
+    b, length, h, k = q_BxLxHxK.shape
+    g = k_BxSxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k)
+    scores = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK,
+                        preferred_element_type=jnp.float32)
+    if scale is not None:
+        scores = scores * scale
+    scores = softcap(scores, cap)
     if bias_BxHxLxS is not None:
-        scores_BxHxLxS = scores_BxHxLxS + bias_BxHxLxS
-    scores_BxHxLxS = jnp.where(mask_Bx1xLxS, scores_BxHxLxS, jnp.finfo(jnp.float32).min)
-    probs_BxHxLxS = probs_dropout(jax.nn.softmax(scores_BxHxLxS, axis=-1).astype(dtype))
-    return jnp.einsum("bhls,bshk->blhk", probs_BxHxLxS, v_BxSxHxK)
+        scores = scores + bias_BxHxLxS.reshape(bias_BxHxLxS.shape[0], g, h // g,
+                                               *bias_BxHxLxS.shape[2:])
+    scores = jnp.where(mask_Bx1xLxS[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = probs_dropout(jax.nn.softmax(scores, axis=-1).astype(dtype))
+    out = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)
+    return out.reshape(b, length, h, k)
 
 
-def splash_block(length: int) -> int:
-    """The kernel's query and key block for a sequence length; an error if none fits."""
-    block = min(SPLASH_BLOCK, length)
-    if length % block or block % 128:
-        raise ValueError(
-            f"DecoderConfig.attention='splash': sequence length {length} must be a multiple of "
-            f"128, and of {SPLASH_BLOCK} when longer (the kernel's blocks); use attention='dot' "
-            "or pad the sequences (data.task_feature_lengths)")
-    return block
-
-
-def _kernel(num_heads: int, length: int, interpret: bool):
-    """A causal splash kernel for `num_heads` heads of `length`. Made inside each trace (its
-    mask tables become that trace's constants); JAX caches the mask processing itself."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    block = splash_block(length)
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * num_heads)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block,
-                              block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                  interpret=interpret)
-
-
-def splash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, segments_BxL, interpret: bool = False):
-    """The splash kernel, causal within segments, over the current mesh (if any): batch and
-    heads split as the logical axis rules in force say ('batch', 'heads'), one kernel per
-    device shard (shard_map), each sequence of a shard in turn (vmap)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-
-    def local(q_BxHxLxK, k_BxHxSxK, v_BxHxSxK, seg_BxL):
-        kernel = _kernel(q_BxHxLxK.shape[1], q_BxHxLxK.shape[2], interpret)
-        return jax.vmap(kernel)(q_BxHxLxK, k_BxHxSxK, v_BxHxSxK, SegmentIds(seg_BxL, seg_BxL))
-
-    heads_first = [jnp.swapaxes(x, 1, 2) for x in (q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)]
-    if jax.sharding.get_abstract_mesh().empty:
-        out_BxHxLxK = local(*heads_first, segments_BxL)
-    else:
-        spec = nn.logical_to_mesh_axes(("batch", "heads", "length", "kv"))
-        seq_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
-        out_BxHxLxK = jax.shard_map(local, in_specs=(spec, spec, spec, seq_spec),
-                                    out_specs=spec, check_vma=False)(*heads_first, segments_BxL)
-    return jnp.swapaxes(out_BxHxLxK, 1, 2)
-
-
-def segments_for_splash(target_tokens_BxL, segments_BxL=None):
-    """Segment ids the kernel masks by: the packing's segments, padding (target 0) its own
-    segment 0, so real tokens see exactly what dot attention's mask lets them see."""
-    segments = jnp.ones_like(target_tokens_BxL, jnp.int32) if segments_BxL is None else segments_BxL
-    return jnp.where(target_tokens_BxL > 0, segments.astype(jnp.int32), 0)
-
-
-def splash_segments(attention: str, target_tokens_BxL, segments_BxL=None,
-                    causal_attention_BxL=None):
-    """What the splash kernel masks by, for a decoder whose attention is `attention` (None
-    for dot); a prefix-LM mask is an error (the kernel's mask is causal within segments)."""
-    if attention != "splash":
-        return None
-    if causal_attention_BxL is not None:
-        raise ValueError("nets.Decoder: decoder_causal_attention (a prefix-LM mask) needs "
-                         "DecoderConfig.attention='dot'; the splash kernel's mask is causal "
-                         "within segments")
-    return segments_for_splash(target_tokens_BxL, segments_BxL)
+def window_mask(query_positions_BxL, key_positions_BxS, window: int) -> jnp.ndarray:
+    """[B, 1, L, S]: keys fewer than `window` positions behind the query."""
+    behind = query_positions_BxL[:, :, None] - key_positions_BxS[:, None, :]
+    return (behind < window)[:, None]
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with T5X's projection names and logical axes."""
+    """Causal self-attention with T5X's projection names and logical axes."""
 
-    config: object  # nets.DecoderConfig (not imported: decoder.py imports this module)
+    config: object  # nets.DecoderConfig (nets.config imports nets.positions, not this)
+    local: bool = False  # a sliding-window layer
+
+    def project(self, x_BxLxD, name: str, heads: int, init_scale: float = 1.0):
+        c = self.config
+        y = Dense(heads * c.head_dim, ("embed", "joined_kv"), c.compute_dtype, init_scale,
+                  "normal", use_bias=c.qkv_bias, name=name)(x_BxLxD)
+        return y.reshape(y.shape[:2] + (heads, c.head_dim))
+
+    def qkv(self, x_BxLxD, positions_BxL):
+        """Queries, keys and values of the tokens, normed and rotated as configured."""
+        c = self.config
+        # T5 scales scores by 1/sqrt(head_dim) through the query's initialisation instead.
+        t5_scale = 1.0 / c.head_dim if c.query_pre_attn_scalar is None else 1.0
+        q = self.project(x_BxLxD, "query", c.num_heads, t5_scale)
+        k = self.project(x_BxLxD, "key", c.kv_heads)
+        v = self.project(x_BxLxD, "value", c.kv_heads)
+        if c.qk_norm:
+            norm = dict(epsilon=c.norm_epsilon, plus_one=c.norm_scale_plus_one, axis_name="kv")
+            q = RMSNorm(c.compute_dtype, name="query_norm", **norm)(q)
+            k = RMSNorm(c.compute_dtype, name="key_norm", **norm)(k)
+        if c.position_embedding == "rope":
+            inv_freq = c.rope_frequencies(self.local)
+            q, k = rotate(q, positions_BxL, inv_freq), rotate(k, positions_BxL, inv_freq)
+        q = constrain(q, ("batch", "length", "heads", "kv"))
+        k = constrain(k, ("batch", "length", "kv_heads", "kv"))
+        v = constrain(v, ("batch", "length", "kv_heads", "kv"))
+        return q, k, v
 
     @nn.compact
     def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout,
-                 segments_BxL=None):
+                 segments_BxL=None, decode: bool = False, prefill: bool = False,
+                 prefill_lengths=None):
         c = self.config
-        dtype, hk = c.compute_dtype, c.num_heads * c.head_dim
-
-        def project(name: str, init_scale: float = 1.0) -> jnp.ndarray:
-            kernel = Dense(hk, ("embed", "joined_kv"), dtype, init_scale, "normal", name=name)
-            y_BxLxHK = kernel(x_BxLxD)
-            y_BxLxHxK = y_BxLxHK.reshape(y_BxLxHK.shape[:2] + (c.num_heads, c.head_dim))
-            return constrain(y_BxLxHxK, ("batch", "length", "heads", "kv"))
-
-        # T5 scales logits by 1/sqrt(head_dim) through the query's initialisation instead.
-        q_BxLxHxK = project("query", init_scale=1.0 / c.head_dim)
-        k_BxSxHxK = project("key")
-        v_BxSxHxK = project("value")
-        if c.position_embedding == "rope":
-            q_BxLxHxK = rotate(q_BxLxHxK, positions_BxL, c.rope_max_wavelength)
-            k_BxSxHxK = rotate(k_BxSxHxK, positions_BxL, c.rope_max_wavelength)
+        step = decode and self.has_variable("cache", "cached_key") and not prefill
+        if step:  # one new token per row, at the row's cache index
+            positions_BxL = jnp.reshape(self.get_variable("cache", "cache_index"), (-1, 1))
+            positions_BxL = jnp.broadcast_to(positions_BxL, (x_BxLxD.shape[0], 1))
+        q, k, v = self.qkv(x_BxLxD, positions_BxL)
+        if decode or prefill:
+            k, v, mask_Bx1xLxS, bias_BxHxLxS = self.cached(
+                k, v, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, step, prefill, prefill_lengths)
+        elif self.local:
+            mask_Bx1xLxS = mask_Bx1xLxS & window_mask(positions_BxL, positions_BxL,
+                                                      c.sliding_window)
+        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
 
         def dot(q, k, v):
-            return dot_attention(q, k, v, mask_Bx1xLxS, bias_BxHxLxS,
-                                 lambda p: dropout(p, c.dropout_rate, enable_dropout))
+            return dot_attention(q, k, v, mask_Bx1xLxS, bias_BxHxLxS, scale=scale,
+                                 cap=c.attn_logit_softcap,
+                                 probs_dropout=lambda p: dropout(p, c.dropout_rate,
+                                                                 enable_dropout))
 
-        if c.attention == "splash":
-            if segments_BxL is None:
-                raise ValueError("DecoderConfig.attention='splash' needs the segment ids the "
-                                 "decoder derives from the target tokens")
-            splash_block(q_BxLxHxK.shape[1])  # a length the kernel cannot take fails everywhere
-            out_BxLxHxK = jax.lax.platform_dependent(
-                q_BxLxHxK, k_BxSxHxK, v_BxSxHxK,
-                tpu=lambda q, k, v: splash_attention(q, k, v, segments_BxL), default=dot)
+        if c.attention == "splash" and not (decode or prefill):
+            out_BxLxHxK = splash.attention(q, k, v, segments_BxL, dot, scale=scale,
+                                           cap=c.attn_logit_softcap,
+                                           window=c.sliding_window if self.local else None)
         else:
-            out_BxLxHxK = dot(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
-        out_BxLxHK = out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (hk,))
-        return Dense(c.emb_dim, ("joined_kv", "embed"), dtype, distribution="normal", name="out")(
-            out_BxLxHK
-        )
+            out_BxLxHxK = dot(q, k, v)
+        out_BxLxHK = out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (-1,))
+        return Dense(c.emb_dim, ("joined_kv", "embed"), c.compute_dtype, distribution="normal",
+                     name="out")(out_BxLxHK)
+
+    def cached(self, k_BxLxGxK, v_BxLxGxK, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
+               step: bool, prefill: bool, prefill_lengths):
+        """Keys, values, mask and bias to attend with, through the cache (see the module
+        doc): created on the first call, filled by a prefill, one position per step."""
+        shape = lambda x: x.shape[:1] + x.shape[2:] + x.shape[1:2]  # noqa: E731 [B, G, K, S]
+        cache = {name: nn_partitioning.variable_with_axes(
+            "cache", f"cached_{name}", jnp.zeros, shape(x), x.dtype, axes=CACHE_AXES)
+            for name, x in (("key", k_BxLxGxK), ("value", v_BxLxGxK))}
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if step:
+            return self.step(cache, index, k_BxLxGxK, v_BxLxGxK, mask_Bx1xLxS, bias_BxHxLxS,
+                             positions_BxL)
+        if prefill:  # the prompt's positions below each row's length
+            if prefill_lengths is None:
+                prefill_lengths = jnp.sum(mask_Bx1xLxS[:, 0, 0, :], axis=-1)
+            keep_BxS = jnp.arange(k_BxLxGxK.shape[1])[None] < prefill_lengths[:, None]
+            for name, x in (("key", k_BxLxGxK), ("value", v_BxLxGxK)):
+                cache[name].value = jnp.moveaxis(x, 1, -1) * keep_BxS[:, None, None].astype(
+                    x.dtype)
+            index.value = prefill_lengths.astype(jnp.int32)
+        # creation or prefill: attention over the tokens themselves, as in training
+        if self.local:
+            mask_Bx1xLxS = mask_Bx1xLxS & window_mask(positions_BxL, positions_BxL,
+                                                      self.config.sliding_window)
+        return k_BxLxGxK, v_BxLxGxK, mask_Bx1xLxS, bias_BxHxLxS
+
+    def step(self, cache, index, k_Bx1xGxK, v_Bx1xGxK, mask_Bx1x1x1, bias_BxHxLxS, at_Bx1):
+        """Write one token's key and value at each row's index `at_Bx1` and attend to every
+        cached position up to it (within the window in a local layer)."""
+        length = cache["key"].value.shape[-1]
+        onehot_BxS = jax.nn.one_hot(at_Bx1[:, 0], length, dtype=k_Bx1xGxK.dtype)
+        for name, x in (("key", k_Bx1xGxK), ("value", v_Bx1xGxK)):
+            cache[name].value = cache[name].value + (jnp.moveaxis(x, 1, -1)
+                                                     * onehot_BxS[:, None, None])
+        index.value = index.value + 1
+        key_positions_BxS = jnp.broadcast_to(jnp.arange(length)[None], (at_Bx1.shape[0], length))
+        mask = (key_positions_BxS <= at_Bx1)[:, None, None, :] & mask_Bx1x1x1
+        if self.local:
+            mask = mask & window_mask(at_Bx1, key_positions_BxS, self.config.sliding_window)
+        if bias_BxHxLxS is not None:  # the query's row of a [max length]^2 bias
+            rows_BxL = jax.nn.one_hot(at_Bx1[:, 0], bias_BxHxLxS.shape[2],
+                                      dtype=bias_BxHxLxS.dtype)
+            bias = jnp.broadcast_to(bias_BxHxLxS, (at_Bx1.shape[0], *bias_BxHxLxS.shape[1:]))
+            bias_BxHxLxS = jnp.einsum("bq,bhqk->bhk", rows_BxL, bias)[:, :, None]
+        keys = lambda name: jnp.moveaxis(cache[name].value, -1, 1)  # noqa: E731
+        return keys("key"), keys("value"), mask, bias_BxHxLxS

@@ -1,11 +1,15 @@
-"""A T5-style decoder-only Transformer with T5X's decoder call signature and logical axes.
+"""The decoder-only Transformer of every model family, with T5X's decoder call signature and
+logical axes.
 
-Pre-norm blocks (RMSNorm -> causal self-attention, RMSNorm -> gated-GELU MLP), T5
-relative position bias (one table shared by all layers, as in T5) or rotary embeddings,
-packing through segment ids and positions, prefix-LM through `decoder_causal_attention`.
-Parameters are float32, named as in T5X's decoder-only example (`layers_0/self_attention/
-query/kernel`, ...) and carry its logical axis names in the 'params_axes' collection, so
-`models.DecoderOnlyModel.module = @nets.Decoder()` works in real T5X and the local runtime.
+Blocks of norm -> causal self-attention and norm -> gated MLP, pre-norm (T5, Llama, Mistral,
+Qwen) or with norms on the block outputs too (Gemma 2/3). Positions are T5's relative bias
+(one table shared by all layers) or rotary embeddings; attention may use grouped key/value
+heads, a sliding window in local layers, QK-norm and soft-capped scores (nets/attention.py,
+nets/config.py list the options). Packing through segment ids and positions, prefix-LM
+through `decoder_causal_attention`, and T5X's incremental decoding (`decode`, `prefill`:
+the 'cache' collection). Parameters are float32, named as in T5X's decoder-only example
+(`layers_0/self_attention/query/kernel`, ...) with its logical axis names in 'params_axes',
+so `models.DecoderOnlyModel.module = @nets.Decoder()` works in real T5X and the local runtime.
 
 Shape suffixes: B batch, L query length, S key length, D embed, H heads, K head dim,
 F mlp, V vocab, N relative-position buckets.
@@ -13,25 +17,24 @@ F mlp, V vocab, N relative-position buckets.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp.nets.attention import ATTENTIONS, Attention, splash_segments
+from capibara_exp import model_facts
+from capibara_exp.nets.attention import Attention
+from capibara_exp.nets.config import DecoderConfig as DecoderConfig
 
 # nets.moe builds its experts from these; `X as X` marks them as re-exported here.
 from capibara_exp.nets.layers import ACTIVATIONS as _ACTIVATIONS
 from capibara_exp.nets.layers import Dense as Dense
-from capibara_exp.nets.layers import Embed, RMSNorm, dropout
+from capibara_exp.nets.layers import Embed, RMSNorm, dropout, softcap
 from capibara_exp.nets.layers import constrain as constrain
 from capibara_exp.nets.layers import param_with_axes as param_with_axes
+from capibara_exp.nets.positions import RelativePositionBias
+from capibara_exp.nets.splash import splash_segments
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_POSITIONS = ("relative", "rope")
 # 'dots' keeps the weight matmuls' outputs (dots without batch dimensions) and recomputes
 # attention scores, which are the large [B, H, L, S] tensors.
 _REMAT = {
@@ -39,121 +42,7 @@ _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Sizes and options of the decoder; gin binds its fields (nets.DecoderConfig.emb_dim = 64)."""
-
-    vocab_size: int
-    emb_dim: int
-    num_heads: int
-    head_dim: int
-    num_layers: int
-    mlp_dim: int
-    mlp_activations: tuple[str, ...] = ("gelu", "linear")
-    dropout_rate: float = 0.0
-    dtype: str = "float32"
-    position_embedding: str = "relative"
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    rope_max_wavelength: float = 10_000.0
-    logits_via_embedding: bool = False
-    remat_policy: str = "none"
-    # 'dot' | 'splash' (nets/attention.py: the Pallas splash kernel on TPU, dot elsewhere).
-    attention: str = "dot"
-    # One nn.scan over blocks of layers instead of num_layers copies: parameters stacked on
-    # a leading 'layers' axis (decoder/layers/layers_<j>/...), compile time independent of
-    # depth. A block is one layer, or moe_layer_interval layers for nets.MoeDecoder.
-    scan_layers: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))  # gin/YAML lists
-        for field in dataclasses.fields(self):  # every int field is a size or a count
-            if field.type in (int, "int") and getattr(self, field.name) <= 0:
-                value = getattr(self, field.name)
-                raise ValueError(f"DecoderConfig.{field.name} must be positive, got {value}")
-        if not self.mlp_activations:
-            raise ValueError("DecoderConfig.mlp_activations must name at least one activation")
-        _check_choices("mlp_activations", self.mlp_activations, _ACTIVATIONS)
-        _check_choices("dtype", (self.dtype,), _DTYPES)
-        _check_choices("position_embedding", (self.position_embedding,), _POSITIONS)
-        _check_choices("remat_policy", (self.remat_policy,), _REMAT)
-        _check_choices("attention", (self.attention,), ATTENTIONS)
-        if self.attention == "splash" and self.position_embedding != "rope":
-            raise ValueError("DecoderConfig.attention='splash' needs position_embedding='rope': "
-                             "the kernel adds no relative position bias")
-        if self.attention == "splash" and self.dropout_rate:
-            raise ValueError("DecoderConfig.attention='splash' has no dropout on attention "
-                             f"probabilities; set dropout_rate=0 (got {self.dropout_rate}) or use "
-                             "attention='dot'")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(
-                f"DecoderConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}"
-            )
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            raise ValueError(f"DecoderConfig.head_dim must be even for rope, got {self.head_dim}")
-        if self.rope_max_wavelength <= 0:
-            raise ValueError(
-                "DecoderConfig.rope_max_wavelength must be positive, "
-                f"got {self.rope_max_wavelength}"
-            )
-        if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
-            raise ValueError(
-                "DecoderConfig.relative_attention_max_distance must exceed half "
-                "of relative_attention_num_buckets "
-                f"({self.relative_attention_num_buckets}), "
-                f"got {self.relative_attention_max_distance}"
-            )
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return _DTYPES[self.dtype]
-
-
-def _check_choices(field: str, values: tuple[str, ...], allowed) -> None:
-    for value in values:
-        if value not in allowed:
-            raise ValueError(f"DecoderConfig.{field}: {value!r} is not one of {sorted(allowed)}")
-
-
-def relative_position_buckets(
-    relative_BxLxS: jnp.ndarray, num_buckets: int, max_distance: int
-) -> jnp.ndarray:
-    """T5's causal bucketing of (key - query) positions: exact when near, log-spaced when far.
-
-    Keys after the query (reachable only inside a prefix-LM prefix) share bucket 0 with the
-    query itself, as in T5X's decoder, which always buckets unidirectionally.
-    """
-    distance = jnp.maximum(-relative_BxLxS, 0)
-    exact = num_buckets // 2
-    log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact)
-    far = exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32)
-    far = jnp.minimum(far, num_buckets - 1)
-    return jnp.where(distance < exact, distance, far)
-
-
-class RelativePositionBias(nn.Module):
-    """Per-head attention bias looked up from bucketed relative positions."""
-
-    num_heads: int
-    num_buckets: int
-    max_distance: int
-
-    @nn.compact
-    def __call__(self, positions_BxL: jnp.ndarray) -> jnp.ndarray:
-        table_HxN = param_with_axes(
-            "rel_embedding",
-            nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
-            (self.num_heads, self.num_buckets),
-            jnp.float32,
-            axes=("heads", "relpos_buckets"),
-        )
-        relative_BxLxS = positions_BxL[:, None, :] - positions_BxL[:, :, None]
-        buckets_BxLxS = relative_position_buckets(
-            relative_BxLxS, self.num_buckets, self.max_distance
-        )
-        return jnp.moveaxis(table_HxN[:, buckets_BxLxS], 0, 1)  # [B, H, L, S]
+assert tuple(_REMAT) == model_facts.REMAT_POLICIES
 
 
 class Mlp(nn.Module):
@@ -176,29 +65,42 @@ class Mlp(nn.Module):
         return Dense(c.emb_dim, ("mlp", "embed"), c.compute_dtype, name="wo")(h_BxLxF)
 
 
+def norm(c: DecoderConfig, name: str) -> RMSNorm:
+    return RMSNorm(c.compute_dtype, c.norm_epsilon, c.norm_scale_plus_one, name=name)
+
+
 class DecoderLayer(nn.Module):
     config: DecoderConfig
+    local: bool = False  # attends through the sliding window
+    decode: bool = False
+    prefill: bool = False
 
-    def mlp_block(self, x_BxLxD, mask_Bx1xLxS, enable_dropout):
+    def mlp_block(self, x_BxLxD, real_BxL, enable_dropout):
         """The feed-forward block (a hook: nets.moe replaces it with a mixture of experts)."""
-        del mask_Bx1xLxS  # a dense MLP treats every position alike
+        del real_BxL  # a dense MLP treats every position alike
         return Mlp(self.config, name="mlp")(x_BxLxD, enable_dropout)
+
+    def residual(self, x_BxLxD, h_BxLxD, name: str, enable_dropout: bool):
+        """x + the block's output (normed first with norm_placement='pre_post')."""
+        c = self.config
+        if c.norm_placement == "pre_post":
+            h_BxLxD = norm(c, f"post_{name}_layer_norm")(h_BxLxD)
+        return x_BxLxD + dropout(h_BxLxD, c.dropout_rate, enable_dropout, f"post_{name}_dropout")
 
     @nn.compact
     def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout,
-                 segments_BxL=None):
-        """segments_BxL: what attention='splash' masks by (attention.segments_for_splash)."""
+                 segments_BxL=None, real_BxL=None, prefill_lengths=None):
+        """segments_BxL: what attention='splash' masks by (nets.splash.segments_for_splash);
+        real_BxL: non-padding positions (a MoE block routes only those)."""
         c = self.config
-        h = RMSNorm(c.compute_dtype, name="pre_self_attention_layer_norm")(x_BxLxD)
-        h = Attention(c, name="self_attention")(
-            h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL
-        )
-        x_BxLxD = x_BxLxD + dropout(
-            h, c.dropout_rate, enable_dropout, "post_self_attention_dropout"
-        )
-        h = RMSNorm(c.compute_dtype, name="pre_mlp_layer_norm")(x_BxLxD)
-        h = self.mlp_block(h, mask_Bx1xLxS, enable_dropout)
-        x_BxLxD = x_BxLxD + dropout(h, c.dropout_rate, enable_dropout, "post_mlp_dropout")
+        h = norm(c, "pre_self_attention_layer_norm")(x_BxLxD)
+        h = Attention(c, self.local, name="self_attention")(
+            h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL,
+            decode=self.decode, prefill=self.prefill, prefill_lengths=prefill_lengths)
+        x_BxLxD = self.residual(x_BxLxD, h, "self_attention", enable_dropout)
+        h = norm(c, "pre_mlp_layer_norm")(x_BxLxD)
+        h = self.mlp_block(h, real_BxL, enable_dropout)
+        x_BxLxD = self.residual(x_BxLxD, h, "mlp", enable_dropout)
         return constrain(x_BxLxD, ("batch", "length", "embed"))
 
 
@@ -237,11 +139,12 @@ class LayerBlock(nn.Module):
     enable_dropout: bool
 
     @nn.compact
-    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, segments_BxL):
+    def __call__(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, segments_BxL,
+                 real_BxL, prefill_lengths):
         for j, (cls, kwargs) in enumerate(self.layers):
             x_BxLxD = cls(self.config, **dict(kwargs), name=f"layers_{j}")(
                 x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, self.enable_dropout,
-                segments_BxL
+                segments_BxL, real_BxL, prefill_lengths
             )
         return x_BxLxD, None
 
@@ -251,32 +154,44 @@ class Decoder(nn.Module):
 
     config: DecoderConfig
 
-    def layer_spec(self, i: int) -> LayerSpec:
-        """Layer i's class (a hook: nets.MoeDecoder makes some layers sparse)."""
-        return remat_layer(DecoderLayer, self.config.remat_policy), ()
+    @property
+    def scan_layers(self) -> bool:
+        """T5X's predict_batch reads this (a scanned cache has a leading layers axis)."""
+        return self.config.scan_layers
+
+    def layer_spec(self, i: int, decode: bool = False, prefill: bool = False) -> LayerSpec:
+        """Layer i's class and arguments (a hook: nets.MoeDecoder makes some layers sparse)."""
+        return remat_layer(DecoderLayer, self.config.remat_policy), self.layer_kwargs(
+            i, decode, prefill)
+
+    def layer_kwargs(self, i: int, decode: bool, prefill: bool) -> tuple:
+        return (("local", self.config.is_local(i)), ("decode", decode), ("prefill", prefill))
 
     def block_size(self) -> int:
         """Layers per scanned block (the period of layer_spec)."""
-        return 1
+        return self.config.layer_period
 
-    def scanned_layers(self, x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
-                       enable_dropout, segments_BxL):
+    def run_layers(self, x_BxLxD, inputs: tuple, enable_dropout: bool, decode: bool,
+                   prefill: bool):
+        """The layers: whole blocks scanned (scan_layers), the rest unrolled (layers_<i>)."""
         c, size = self.config, self.block_size()
-        if c.num_layers % size:
-            raise ValueError(f"DecoderConfig.scan_layers: num_layers={c.num_layers} is not a "
-                             f"multiple of the scanned block of {size} layers")
-        scanned = nn_partitioning.scan_with_axes(
-            LayerBlock,
-            variable_axes={"params": 0, "intermediates": 0},
-            split_rngs={"params": True, "dropout": True},
-            in_axes=(nn.broadcast,) * 4,
-            length=c.num_layers // size,
-            axis_name="layers",
-        )
-        block = tuple(self.layer_spec(j) for j in range(size))
-        x_BxLxD, _ = scanned(c, block, enable_dropout, name="layers")(
-            x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, segments_BxL
-        )
+        blocks = c.num_layers // size if c.scan_layers else 0
+        if blocks:
+            scanned = nn_partitioning.scan_with_axes(
+                LayerBlock,
+                variable_axes={"params": 0, "intermediates": 0, "cache": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast,) * 6,
+                length=blocks,
+                axis_name="layers",
+                axes_collections=("params", "cache"),
+            )
+            block = tuple(self.layer_spec(j, decode, prefill) for j in range(size))
+            x_BxLxD, _ = scanned(c, block, enable_dropout, name="layers")(x_BxLxD, *inputs)
+        for i in range(blocks * size, c.num_layers):
+            cls, kwargs = self.layer_spec(i, decode, prefill)
+            x_BxLxD = cls(c, **dict(kwargs), name=f"layers_{i}")(
+                x_BxLxD, *inputs[:3], enable_dropout, *inputs[3:])
         return x_BxLxD
 
     @nn.compact
@@ -294,58 +209,54 @@ class Decoder(nn.Module):
         prefill=None,
         prefill_lengths=None,
     ):
-        del max_decode_length, prefill_lengths  # decoding only, which is not implemented
-        if decode or prefill:
-            raise NotImplementedError(
-                "nets.Decoder: autoregressive decoding (decode=True or prefill) is not "
-                "implemented yet: there is no key/value cache; use it for training and scoring"
-            )
         c = self.config
         dtype, length = c.compute_dtype, decoder_input_tokens.shape[1]
+        prefill = bool(prefill)
+        # A decode call after the one that made the cache (T5X's init) is one token's step.
+        step = bool(decode) and not prefill and bool(self.variables.get("cache"))
         # Unpacked rows share one arange, so the relative bias is computed once, not per row.
         positions_BxL = jnp.arange(length)[None] if decoder_positions is None else decoder_positions
-        mask_Bx1xLxS = decoder_mask(
-            decoder_target_tokens, decoder_segment_ids, decoder_causal_attention
-        )
+        if step:  # one token per row; attention builds its mask from the cache
+            mask_Bx1xLxS = jnp.ones((decoder_input_tokens.shape[0], 1, 1, 1), bool)
+        else:
+            mask_Bx1xLxS = decoder_mask(
+                decoder_target_tokens, decoder_segment_ids, decoder_causal_attention)
         bias_BxHxLxS = None
         if c.position_embedding == "relative":
+            if step and not max_decode_length:
+                raise ValueError("nets.Decoder: a decoding step of a relative-position model "
+                                 "needs max_decode_length (the cache's length)")
+            bias_positions = jnp.arange(max_decode_length)[None] if step else positions_BxL
             bias_BxHxLxS = RelativePositionBias(
-                c.num_heads,
-                c.relative_attention_num_buckets,
-                c.relative_attention_max_distance,
-                name="relpos_bias",
-            )(positions_BxL)
+                c.num_heads, c.relative_attention_num_buckets,
+                c.relative_attention_max_distance, name="relpos_bias")(bias_positions)
 
         embedder = Embed(c.vocab_size, c.emb_dim, name="token_embedder")
-        x_BxLxD = constrain(
-            embedder(decoder_input_tokens).astype(dtype), ("batch", "length", "embed")
-        )
+        x_BxLxD = embedder(decoder_input_tokens).astype(dtype)
+        if c.scale_embeddings:
+            x_BxLxD = x_BxLxD * jnp.asarray(c.emb_dim ** 0.5, dtype)
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
         segments_BxL = splash_segments(c.attention, decoder_target_tokens, decoder_segment_ids,
                                        decoder_causal_attention)
-        if c.scan_layers:
-            x_BxLxD = self.scanned_layers(
-                x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL
-            )
-        else:
-            for i in range(c.num_layers):
-                cls, kwargs = self.layer_spec(i)
-                x_BxLxD = cls(c, **dict(kwargs), name=f"layers_{i}")(
-                    x_BxLxD, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout,
-                    segments_BxL
-                )
-        x_BxLxD = RMSNorm(dtype, name="decoder_norm")(x_BxLxD)
+        real_BxL = decoder_target_tokens > 0
+        inputs = (mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, segments_BxL, real_BxL,
+                  prefill_lengths)
+        x_BxLxD = self.run_layers(x_BxLxD, inputs, enable_dropout, bool(decode), prefill)
+        x_BxLxD = norm(c, "decoder_norm")(x_BxLxD)
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "output_dropout")
-
         return self.logits(x_BxLxD, embedder)
 
     def logits(self, x_BxLxD, embedder: Embed):
         """Float32 logits for a stable softmax, as T5X's decoder-only network computes them."""
         c = self.config
         if c.logits_via_embedding:
-            logits_BxLxV = embedder.attend(x_BxLxD) / jnp.sqrt(c.emb_dim)
+            logits_BxLxV = embedder.attend(x_BxLxD)
+            if c.normalize_embedding_logits:
+                logits_BxLxV = logits_BxLxV / jnp.sqrt(c.emb_dim)
         else:
             logits_BxLxV = Dense(
                 c.vocab_size, ("embed", "vocab"), jnp.float32, name="logits_dense"
             )(x_BxLxD)
+        logits_BxLxV = softcap(logits_BxLxV, c.final_logit_softcap)
         return constrain(logits_BxLxV, ("batch", "length", "vocab"))

@@ -1,4 +1,4 @@
-"""Building blocks of the decoders: projections, norms, embeddings, dropout, rotary positions.
+"""Building blocks of the decoders: projections, norms, embeddings, dropout, soft-capping.
 
 Parameters are float32 and carry T5X's logical axis names (the 'params_axes' collection);
 computation runs in the configured dtype. Shape suffixes as in nets/decoder.py.
@@ -6,15 +6,22 @@ computation runs in the configured dtype. Shape suffixes as in nets/decoder.py.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
+from capibara_exp import model_facts
+
 param_with_axes = nn_partitioning.param_with_axes
 constrain = nn_partitioning.with_sharding_constraint
 
-ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu, "linear": lambda x: x}
+ACTIVATIONS = {"gelu": nn.gelu,  # the tanh approximation (Gemma's gelu_pytorch_tanh)
+               "gelu_exact": functools.partial(nn.gelu, approximate=False),
+               "relu": nn.relu, "silu": nn.silu, "linear": lambda x: x}
+assert tuple(ACTIVATIONS) == model_facts.ACTIVATIONS  # one list: model_facts owns the names
 
 
 def dropout(x: jnp.ndarray, rate: float, enable_dropout: bool, name: str | None = None):
@@ -22,14 +29,21 @@ def dropout(x: jnp.ndarray, rate: float, enable_dropout: bool, name: str | None 
     return nn.Dropout(rate, broadcast_dims=(-2,), name=name)(x, deterministic=not enable_dropout)
 
 
+def softcap(x: jnp.ndarray, cap: float | None) -> jnp.ndarray:
+    """cap * tanh(x / cap): Gemma 2's soft limit on attention scores and logits."""
+    return x if not cap else cap * jnp.tanh(x / cap)
+
+
 class Dense(nn.Module):
-    """A bias-free projection whose float32 kernel carries logical axes (T5X's DenseGeneral)."""
+    """A projection whose float32 kernel carries logical axes (T5X's DenseGeneral); with
+    `use_bias`, a float32 bias on the output axis (Qwen2's query, key and value)."""
 
     features: int
     axes: tuple[str, str]
     dtype: jnp.dtype
     init_scale: float = 1.0
     distribution: str = "truncated_normal"
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
@@ -39,23 +53,31 @@ class Dense(nn.Module):
         )
         # promote_dtype, Flax's own cast, so a quantized kernel (runtime/lora) stays quantized
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
-        return jnp.einsum("...d,df->...f", x, kernel)
+        y = jnp.einsum("...d,df->...f", x, kernel)
+        if self.use_bias:
+            bias = param_with_axes("bias", nn.initializers.zeros, (self.features,),
+                                   jnp.float32, axes=self.axes[1:])
+            y = y + bias.astype(y.dtype)
+        return y
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale and no bias (T5's LayerNorm)."""
+    """Root-mean-square norm with a learned scale and no bias (T5's LayerNorm), computed in
+    float32. `plus_one`: the scale is stored as an offset from 1 (Gemma's norms)."""
 
     dtype: jnp.dtype
     epsilon: float = 1e-6
+    plus_one: bool = False
+    axis_name: str = "embed"
 
     @nn.compact
-    def __call__(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
-        x = x_BxLxD.astype(jnp.float32)
-        scale_D = param_with_axes(
-            "scale", nn.initializers.ones, (x.shape[-1],), jnp.float32, axes=("embed",)
-        )
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        x = x.astype(jnp.float32)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = param_with_axes("scale", init, (x.shape[-1],), jnp.float32,
+                                axes=(self.axis_name,))
         x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
-        return (x * scale_D).astype(self.dtype)
+        return (x * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
 class Embed(nn.Module):
@@ -78,17 +100,3 @@ class Embed(nn.Module):
 
     def attend(self, x_BxLxD: jnp.ndarray) -> jnp.ndarray:
         return jnp.einsum("bld,vd->blv", x_BxLxD.astype(jnp.float32), self.embedding)
-
-
-
-def rotate(
-    x_BxLxHxK: jnp.ndarray, positions_BxL: jnp.ndarray, max_wavelength: float
-) -> jnp.ndarray:
-    """Rotary position embedding of queries or keys (first half paired with second half)."""
-    half = x_BxLxHxK.shape[-1] // 2
-    inv_freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BxLx1xK2 = positions_BxL[:, :, None, None].astype(jnp.float32) * inv_freq
-    sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
-    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxHxK.dtype)

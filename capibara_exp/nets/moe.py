@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from capibara_exp import model_facts
 from capibara_exp.nets.decoder import (
     _ACTIVATIONS,
     Decoder,
@@ -53,6 +54,13 @@ class MoeConfig:
     moe_layer_interval: int = 2  # layer i is sparse when (i + 1) % interval == 0
     router_jitter_noise: float = 0.0  # router input scaled by U(1 - noise, 1 + noise) in training
     expert_dropout_rate: float = 0.0  # dropout on the experts' hidden units
+    # A token's k gate weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob);
+    # off: the router's softmax probabilities as they are (Switch, GShard).
+    renormalize_top_k: bool = False
+    # Every token served by its k experts, no capacity (Mixtral's and Qwen-MoE's own
+    # computation): tokens sorted by expert and multiplied group by group (lax.ragged_dot).
+    # The capacity factors are unused; expert weights are not split over an expert axis.
+    dropless: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_selected_experts", "min_expert_capacity",
@@ -93,16 +101,20 @@ class Routing:
     logits_GxSxE: jnp.ndarray
 
 
-def route(logits_GxSxE: jnp.ndarray, real_GxS: jnp.ndarray, k: int, capacity: int) -> Routing:
+def route(logits_GxSxE: jnp.ndarray, real_GxS: jnp.ndarray, k: int, capacity: int,
+          renormalize: bool = False) -> Routing:
     """Top-k token choice with a capacity per expert and group.
 
     Slots are filled in priority order: every token's first choice (in position order)
     before any token's second choice, so a token loses its k-th expert before another
-    token loses its first. Padding tokens (real == 0) are never routed.
+    token loses its first. Padding tokens (real == 0) are never routed. `renormalize`: a
+    token's k gates are divided by their sum.
     """
     probs_GxSxE = jax.nn.softmax(logits_GxSxE.astype(jnp.float32), axis=-1)
     num_experts = probs_GxSxE.shape[-1]
     gates_GxSxK, experts_GxSxK = jax.lax.top_k(probs_GxSxE, k)
+    if renormalize:
+        gates_GxSxK = gates_GxSxK / jnp.sum(gates_GxSxK, axis=-1, keepdims=True)
     real = real_GxS.astype(jnp.float32)
     chosen_GxSxKxE = jax.nn.one_hot(experts_GxSxK, num_experts) * real[:, :, None, None]
     g, s = real_GxS.shape
@@ -162,18 +174,37 @@ class ExpertMlp(nn.Module):
         kernel_ExIxO = self.kernel(name, (x_ExGxCxI.shape[-1], features), axes)
         return jnp.einsum("egci,eio->egco", x_ExGxCxI, kernel_ExIxO)
 
+    def project_ragged(self, name: str, x_MxI: jnp.ndarray, sizes_E: jnp.ndarray,
+                       features: int, axes: tuple[str, str]) -> jnp.ndarray:
+        """Rows grouped by expert (sizes_E[e] rows for expert e, in expert order) times that
+        expert's kernel `name`: the dropless form of `project`."""
+        kernel_ExIxO = self.kernel(name, (x_MxI.shape[-1], features), axes)
+        if type(kernel_ExIxO).__name__ == "QArray":  # a QLoRA base's kernel (qwix)
+            import qwix  # only a quantized network gets here
+
+            kernel_ExIxO = qwix.dequantize(kernel_ExIxO)
+        return jax.lax.ragged_dot(x_MxI, kernel_ExIxO.astype(x_MxI.dtype), sizes_E)
+
     @nn.compact
-    def __call__(self, x_ExGxCxD: jnp.ndarray, enable_dropout: bool) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, enable_dropout: bool,
+                 sizes_E: jnp.ndarray | None = None) -> jnp.ndarray:
+        """x [E, G, C, D] (capacity slots), or [M, D] grouped by expert with sizes_E."""
         c = self.config
-        d, f = x_ExGxCxD.shape[-1], c.mlp_dim
-        h_ExGxCxF = None
+        d, f = x.shape[-1], c.mlp_dim
+        if sizes_E is None:
+            project = self.project
+        else:
+            def project(name, h, features, axes):
+                return self.project_ragged(name, h, sizes_E, features, axes)
+        h = None
         for i, act in enumerate(c.mlp_activations):
             name = "wi" if len(c.mlp_activations) == 1 else f"wi_{i}"
-            branch = _ACTIVATIONS[act](self.project(name, x_ExGxCxD, f, ("embed", "expert_mlp")))
-            h_ExGxCxF = branch if h_ExGxCxF is None else h_ExGxCxF * branch
-        h_ExGxCxF = nn.Dropout(self.dropout_rate)(h_ExGxCxF, deterministic=not enable_dropout)
-        h_ExGxCxF = constrain(h_ExGxCxF, BY_EXPERT_HIDDEN)
-        return self.project("wo", h_ExGxCxF, d, ("expert_mlp", "embed"))
+            branch = _ACTIVATIONS[act](project(name, x, f, ("embed", "expert_mlp")))
+            h = branch if h is None else h * branch
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=not enable_dropout)
+        if sizes_E is None:
+            h = constrain(h, BY_EXPERT_HIDDEN)
+        return project("wo", h, d, ("expert_mlp", "embed"))
 
 
 class MoeBlock(nn.Module):
@@ -194,11 +225,13 @@ class MoeBlock(nn.Module):
         # The router stays float32 (a stable softmax); a small init starts it near uniform.
         logits_GxSxE = Dense(m.num_experts, ("embed", "unmodeled"), jnp.float32, init_scale=0.1,
                              name="router")(router_in)
+        self.sow("intermediates", "router_logits", logits_GxSxE)
+        if m.dropless:
+            return self.dropless(x_GxSxD, logits_GxSxE, real_BxL, enable_dropout)
         capacity = m.capacity(x_GxSxD.shape[1], train=enable_dropout)
-        r = route(logits_GxSxE, real_BxL, m.num_selected_experts, capacity)
+        r = route(logits_GxSxE, real_BxL, m.num_selected_experts, capacity, m.renormalize_top_k)
         for name, value in routing_metrics(r, real_BxL, m.num_selected_experts).items():
             self.sow("intermediates", name, value)
-        self.sow("intermediates", "router_logits", logits_GxSxE)
 
         dtype = c.compute_dtype
         # Compute the dispatch with groups sharded, then swap axes and re-constrain, so XLA
@@ -213,15 +246,56 @@ class MoeBlock(nn.Module):
         y_GxSxD = jnp.einsum("gecd,gsec->gsd", out_GxExCxD, r.combine_GxSxExC.astype(dtype))
         return constrain(y_GxSxD, TOKENS)
 
+    def dropless(self, x_GxSxD, logits_GxSxE, real_GxS, enable_dropout):
+        """Every token's k experts, no capacity: the (token, expert) pairs sorted by expert,
+        each expert's rows multiplied at once (lax.ragged_dot), the gate-weighted sum back."""
+        m, (g, s, d) = self.moe, x_GxSxD.shape
+        k, e = m.num_selected_experts, m.num_experts
+        probs_GxSxE = jax.nn.softmax(logits_GxSxE.astype(jnp.float32), axis=-1)
+        gates_GxSxK, experts_GxSxK = jax.lax.top_k(probs_GxSxE, k)
+        if m.renormalize_top_k:
+            gates_GxSxK = gates_GxSxK / jnp.sum(gates_GxSxK, axis=-1, keepdims=True)
+        for name, value in dropless_metrics(probs_GxSxE, logits_GxSxE, gates_GxSxK,
+                                            experts_GxSxK, real_GxS).items():
+            self.sow("intermediates", name, value)
+        experts_N = experts_GxSxK.reshape(-1)  # N = G * S * K pairs, token-major
+        order_N = jnp.argsort(experts_N, stable=True)
+        rows_N = jnp.repeat(jnp.arange(g * s), k)[order_N]
+        sizes_E = jnp.bincount(experts_N, length=e).astype(jnp.int32)
+        x_NxD = x_GxSxD.reshape(g * s, d)[rows_N]
+        y_NxD = ExpertMlp(self.config, e, m.expert_dropout_rate, name="expert")(
+            x_NxD, enable_dropout, sizes_E)
+        y_TxKxD = jnp.zeros_like(y_NxD).at[order_N].set(y_NxD).reshape(g * s, k, d)
+        weights = (gates_GxSxK * real_GxS[..., None]).reshape(g * s, k, 1).astype(y_NxD.dtype)
+        return constrain(jnp.sum(y_TxKxD * weights, axis=1).reshape(g, s, d), TOKENS)
+
+
+def dropless_metrics(probs_GxSxE, logits_GxSxE, gates_GxSxK, experts_GxSxK, real_GxS):
+    """T5X's MoE metrics where no token is dropped: nothing is left behind and every
+    assignment is served (expert_usage 1); the balancing and z losses as with capacity."""
+    real = real_GxS.astype(jnp.float32)
+    tokens = jnp.maximum(jnp.sum(real), 1.0)
+    num_experts, k = probs_GxSxE.shape[-1], gates_GxSxK.shape[-1]
+    chosen_GxSxE = jnp.sum(jax.nn.one_hot(experts_GxSxK, num_experts), axis=2) * real[..., None]
+    share_E = jnp.sum(chosen_GxSxE, axis=(0, 1)) / tokens
+    mean_prob_E = jnp.sum(probs_GxSxE * real[..., None], axis=(0, 1)) / tokens
+    log_z_GxS = jax.nn.logsumexp(logits_GxSxE.astype(jnp.float32), axis=-1)
+    return {
+        "auxiliary_loss": num_experts * jnp.sum(share_E * mean_prob_E),
+        "router_z_loss": jnp.sum(jnp.square(log_z_GxS) * real) / tokens,
+        "fraction_tokens_left_behind": jnp.zeros((), jnp.float32),
+        "expert_usage": jnp.ones((), jnp.float32),
+        "router_confidence": jnp.sum(gates_GxSxK * real[..., None]) / tokens,
+        "expert_load": share_E / k,
+    }
+
 
 class MoeDecoderLayer(DecoderLayer):
     """A decoder layer whose feed-forward block is a mixture of experts."""
 
     moe: MoeConfig | None = None
 
-    def mlp_block(self, x_BxLxD, mask_Bx1xLxS, enable_dropout):
-        # A position is real when it may attend to itself (not padding).
-        real_BxL = jnp.diagonal(mask_Bx1xLxS[:, 0], axis1=1, axis2=2)
+    def mlp_block(self, x_BxLxD, real_BxL, enable_dropout):
         return MoeBlock(self.config, self.moe, name="mlp")(x_BxLxD, real_BxL, enable_dropout)
 
 
@@ -230,13 +304,14 @@ class MoeDecoder(Decoder):
 
     moe_config: MoeConfig | None = None
 
-    def layer_spec(self, i: int) -> LayerSpec:
+    def layer_spec(self, i: int, decode: bool = False, prefill: bool = False) -> LayerSpec:
         if self.moe_config is None:
             raise ValueError("nets.MoeDecoder.moe_config is required (@nets.MoeConfig())")
         if not self.moe_config.is_sparse(i):
-            return super().layer_spec(i)
+            return super().layer_spec(i, decode, prefill)
         return (remat_layer(MoeDecoderLayer, self.config.remat_policy),
-                (("moe", self.moe_config),))
+                (("moe", self.moe_config), *self.layer_kwargs(i, decode, prefill)))
 
     def block_size(self) -> int:
-        return self.moe_config.moe_layer_interval if self.moe_config else 1
+        interval = self.moe_config.moe_layer_interval if self.moe_config else 1
+        return model_facts.lcm_period(interval, self.config.layer_period)

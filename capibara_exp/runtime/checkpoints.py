@@ -13,9 +13,12 @@ The kind of save (periodic, preemption, ...) goes into Orbax's own step metadata
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
-from capibara_exp.errors import RunError
+from capibara_exp import private_apis
+from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.runtime import integrity
 
 STEP_PREFIX = "checkpoint"
@@ -203,3 +208,131 @@ def restore(model_dir: str | Path, step: int, template: Any) -> Any:
     except Exception as err:  # orbax/tensorstore raise many types for a damaged file
         raise CheckpointError(f"checkpoint {path} cannot be restored ({type(err).__name__}: "
                               f"{err}); move it aside to resume from an earlier step") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyLeaf:
+    """A checkpoint leaf made when it is written (save_streamed): its shape and dtype now,
+    its values from `make()` then."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray]
+    name: str = ""
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def load(self) -> np.ndarray:
+        array = np.ascontiguousarray(self.make(), dtype=self.dtype)
+        if array.shape != tuple(self.shape):
+            raise CheckpointError(f"{self.name}: made shape {array.shape}, planned {self.shape}")
+        if not finite_bits(array):
+            raise NonFiniteState(f"{self.name} holds NaN/Inf: not written")
+        return array
+
+
+# Exponent bits of the IEEE float formats (bfloat16 included): all ones is Inf or NaN.
+_EXPONENTS = {2: (np.uint16, 0x7F80), 4: (np.uint32, 0x7F800000),
+              8: (np.uint64, 0x7FF0000000000000)}
+
+
+def finite_bits(array: np.ndarray) -> bool:
+    """Whether a host array holds no NaN/Inf, read from its bits (20x faster than through
+    float32 for bfloat16); non-float arrays are finite."""
+    if not _is_float(array):
+        return True
+    if array.dtype == np.float16:
+        uint, mask = np.uint16, 0x7C00
+    else:
+        uint, mask = _EXPONENTS[array.dtype.itemsize]
+    bits = array.reshape(-1).view(uint)
+    return not np.any((bits & uint(mask)) == uint(mask))
+
+
+def save_streamed(model_dir: str | Path, step: int, tree: Any, kind: str,
+                  in_flight: int = 2) -> Path:
+    """Write checkpoint_<step> in T5X's layout from a tree of LazyLeaf (and small host
+    arrays): at most `in_flight` leaves are in host memory while Orbax writes, whatever the
+    model's size. Uncompressed (a converted model is written once and read by every run).
+    Each leaf refuses NaN/Inf as it is made, so the manifest says the state is finite."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (LazyLeaf, private_apis.streaming_numpy_handler(in_flight)))
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_compression=False,
+                                          type_handler_registry=registry)
+    options = ocp.CheckpointManagerOptions(step_prefix=STEP_PREFIX, create=True)
+    with ocp.CheckpointManager(Path(model_dir).absolute(), options=options,
+                               item_handlers={ITEM: handler}) as mgr:
+        mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
+                 force=True, custom_metadata={KIND_KEY: kind})
+        mgr.wait_until_finished()
+    path = step_dir(model_dir, step)
+    integrity.write_manifest(path, step=step, kind=kind, finite=True)
+    return path
+
+
+def read_leaves(step_path: str | Path, paths: list[tuple[str, ...]]) -> dict[tuple, np.ndarray]:
+    """Some leaves of a checkpoint (paths into its tree, e.g. ('target', 'layers_0', ...)),
+    as host arrays in their stored dtypes; nothing else is read."""
+    meta = tree_metadata(step_path)
+    item: dict = {}
+    for path in paths:
+        if path not in meta:
+            raise CheckpointError(f"{step_path}: has no leaf {'/'.join(path)}")
+        node = item
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=meta[path].dtype)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.restore(Path(step_path) / ITEM, args=ocp.args.PyTreeRestore(
+            item=jax.tree.map(lambda _: 0, item), restore_args=item, partial_restore=True))
+    flat = {tuple(str(k.key) for k in p): v
+            for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {path: flat[path] for path in paths}
+
+
+def check_params(step_dir: Path, expected: Mapping[str, Any], where: str) -> None:
+    """The checkpoint's params ('target') must be the model's: an error naming the first
+    parameter (in path order) that is missing, extra or of another shape. `where`: the
+    setting that named the checkpoint, for the message."""
+    try:
+        tree = ocp.PyTreeCheckpointHandler().metadata(step_dir / ITEM).tree
+    except Exception as err:  # orbax raises many types for an unreadable checkpoint
+        raise ConfigError(f"{where}: cannot read {step_dir}: {type(err).__name__}: {err}") from err
+    if "target" not in tree:
+        raise ConfigError(f"{where}: {step_dir} is not in T5X's layout (no 'target' params)")
+    stored = {k: tuple(v.shape) for k, v in
+              traverse_util.flatten_dict(dict(tree["target"]), sep="/").items()}
+    want = {k: tuple(v.shape) for k, v in expected.items()}
+    problems = [(k, f"checkpoint {stored.get(k, 'has none')}, model {want[k]}")
+                for k in sorted(want) if stored.get(k) != want[k]]
+    problems += [(k, f"checkpoint {stored[k]}, not in the model") for k in sorted(stored)
+                 if k not in want]
+    if problems:
+        first, detail = problems[0]
+        raise ConfigError(f"{where}: {step_dir} does not fit the model ({len(problems)} of "
+                          f"{len(want)} parameters differ); first: {first}: {detail}")
+
+
+def restore_params(step_dir: Path, shapes: Mapping[str, Any],
+                   shardings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint's params (flat), in the dtypes of `shapes`: placed on `shardings`, or
+    as host arrays without them. Only 'target' is read, not the optimizer state."""
+    flat = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                    sharding=None if shardings is None else shardings[k])
+            for k, v in shapes.items()}
+    item = {"target": traverse_util.unflatten_dict(flat, sep="/")}
+    if shardings is None:
+        args = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype), item)
+    else:
+        args = ocp.checkpoint_utils.construct_restore_args(item)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.restore(step_dir / ITEM, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True))
+    return traverse_util.flatten_dict(tree["target"], sep="/")

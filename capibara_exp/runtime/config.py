@@ -7,6 +7,7 @@ T5X parameter it does not implement is an error naming it, never silently ignore
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,13 +106,15 @@ class SaveCheckpointConfig:
 
 @dataclasses.dataclass
 class RestoreCheckpointConfig:
-    """Where to restore from. The data position is restored with the step (deterministic input).
+    """Where to restore from, besides the run's own model_dir (which comes first, as in T5X).
+    The data position is restored with the step (deterministic input).
 
-    As in T5X, mode 'latest' with no checkpoint under `path` starts from scratch, and
-    `fallback_to_scratch` means something else: initialise parameters that the checkpoint
-    lacks (with `state_transformation_fns`), which the local engine does not do."""
+    mode 'specific' with strict=False (T5X's finetuning restore; what the project's gin
+    binds for checkpoint.initial_checkpoint) restores what the checkpoint has, parameters at
+    least, and starts the rest fresh (runtime/initial.py), as T5X's fallback_to_scratch
+    does; strict=True needs the whole state. A None or empty path restores nothing."""
 
-    path: str | Sequence[str]
+    path: str | Sequence[str] | None
     mode: str = "latest"
     assignment_map: Any = None
     strict: bool = True
@@ -123,22 +126,29 @@ class RestoreCheckpointConfig:
     checkpoint_manager_cls: Any = None
 
     def __post_init__(self) -> None:
+        from capibara_exp.runtime.initial import as_saved  # the identity T5X needs
+
         if self.mode not in ("latest", "specific"):
             raise ValueError(f"utils.RestoreCheckpointConfig.mode: '{self.mode}' is not supported "
                              "by the local engine (use 'latest' or 'specific')")
+        transforms = tuple(f for f in self.state_transformation_fns  # gin may wrap it
+                           if inspect.unwrap(f) is not inspect.unwrap(as_saved))
         reject_unsupported("utils.RestoreCheckpointConfig", assignment_map=self.assignment_map,
-                           fallback_to_scratch=self.fallback_to_scratch,
                            restore_dataset=self.restore_dataset,
                            checkpointer_cls=self.checkpointer_cls,
-                           state_transformation_fns=tuple(self.state_transformation_fns),
+                           state_transformation_fns=transforms,
                            checkpoint_manager_cls=self.checkpoint_manager_cls)
-        require_value("utils.RestoreCheckpointConfig", "strict", self.strict, True,
-                      "restores every optimizer parameter from the checkpoint")
+        if not self.strict and self.mode != "specific":
+            raise ValueError("utils.RestoreCheckpointConfig.strict=False: the local engine "
+                             "restores part of a state from a specific checkpoint only "
+                             "(mode='specific')")
         if self.dtype is not None:
             _check_dtype("utils.RestoreCheckpointConfig.dtype", self.dtype)
 
     @property
     def paths(self) -> list[str]:
+        if not self.path:
+            return []
         return [self.path] if isinstance(self.path, str) else list(self.path)
 
 

@@ -67,31 +67,13 @@ def run_peak_flops(model_dir: str | Path, dtype: str = "float32") -> float:
     return peak
 
 
-def model_flops_per_token(params: Any, config: Any, length: int, moe_config: Any = None) -> float:
-    """Analytic training FLOPs per token (PaLM's count): 6 x matmul weights a token meets +
-    12 x layers x heads x head_dim x length for attention.
+def model_flops_per_token(config: Any, length: int, moe_config: Any = None) -> float:
+    """Analytic training FLOPs per token of a network config (model_facts' PaLM count: 6 x
+    the matmul weights a token meets, k of E experts in a MoE layer, plus the attention
+    term over the keys each layer attends)."""
+    from capibara_exp import model_facts
 
-    Embedding lookups are not matmuls and are left out unless the logits reuse the table.
-    A MoE layer counts its router and k of its E experts (`moe_config.num_selected_experts`
-    of `num_experts`: the weights each token's compute uses); the dispatch and combine
-    einsums move tokens and are not model FLOPs."""
-    import jax
-
-    weights = 0.0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = [str(getattr(k, "key", k)) for k in path]
-        if len(names) > 1 and names[-2] == "expert":  # [E, ...] kernels of a MoE layer
-            if moe_config is None:
-                raise ValueError(f"model_flops_per_token: {'/'.join(names)} is an expert kernel; "
-                                 "pass the network's moe_config")
-            weights += leaf.size * moe_config.num_selected_experts / moe_config.num_experts
-        elif names[-1] == "kernel" or (names[-1] == "embedding"
-                                       and getattr(config, "logits_via_embedding", 0)):
-            weights += leaf.size
-    attention = 0
-    if config is not None and hasattr(config, "num_layers"):
-        attention = 12 * config.num_layers * config.num_heads * config.head_dim * length
-    return 6.0 * weights + attention
+    return model_facts.train_flops_per_token(model_facts.sizes(config, moe_config), length)
 
 
 def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:

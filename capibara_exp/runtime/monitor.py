@@ -117,16 +117,20 @@ def check_network_bound(model: Any, length: int) -> None:
     """Before the network is traced (tracing 10^5 layers alone takes an hour): a lower bound
     on what one device must hold, the parameters fully sharded and one saved activation per
     layer for one example, against a device's memory; and a depth that can be traced."""
-    cfg = getattr(getattr(model, "module", None), "config", None)
+    from capibara_exp import model_facts
+
+    module = getattr(model, "module", None)
+    cfg = getattr(module, "config", None)
     names = ("num_layers", "emb_dim", "num_heads", "head_dim", "mlp_dim", "vocab_size")
     if cfg is None or not all(isinstance(getattr(cfg, n, None), int) for n in names):
         return
+    sizes = model_facts.sizes(cfg, getattr(module, "moe_config", None))
     d, layers = cfg.emb_dim, cfg.num_layers
-    per_layer = 4 * d * cfg.num_heads * cfg.head_dim + (len(cfg.mlp_activations) + 1) * d * \
-        cfg.mlp_dim
     itemsize = 2 if getattr(cfg, "dtype", "float32") == "bfloat16" else 4
-    depth = layers * (4.0 * per_layer / jax.device_count() + length * d * itemsize)
-    embedding = 4.0 * cfg.vocab_size * d / jax.device_count()
+    counts = model_facts.counts(sizes)
+    embedding = 4.0 * (counts.embedding * (1 if sizes.tied else 2)) / jax.device_count()
+    depth = 4.0 * (counts.total - counts.embedding * (1 if sizes.tied else 2)) \
+        / jax.device_count() + layers * length * d * itemsize
     limit, what = device_limit_bytes()
     if depth + embedding <= limit:
         if layers > MAX_UNROLLED_LAYERS and not getattr(cfg, "scan_layers", False):

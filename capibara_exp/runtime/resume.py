@@ -188,34 +188,45 @@ def newest_finite(model_dir: str) -> str:
 
 def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None]
             ) -> tuple[Any, int]:
-    """train's restore phase: the TrainState from the newest checkpoint that verifies (or a
-    specific one; `cfg`: T5X's RestoreCheckpointConfig, None for none) and its step, which
-    is also the data position. Corrupt ones of the run's own model dir are moved aside."""
-    if cfg is None:
-        return state, 0
-    for path in cfg.paths:
+    """train's restore phase, in T5X's order: the newest checkpoint of the run's own
+    model_dir that verifies (corrupt ones moved aside); else what `cfg` (T5X's
+    RestoreCheckpointConfig, None for none) names: a specific checkpoint (an initial
+    checkpoint: strict=False restores what it has, parameters at least) or the latest of
+    another directory; else a start from scratch. Returns the state and its step, which is
+    also the data position."""
+    if checkpoints.steps(model_dir):
+        return _restored(state, model_dir, "latest", cfg, say, own=True)
+    for path in (cfg.paths if cfg is not None else []):
+        if not path:
+            continue
         if cfg.mode == "latest" and not Path(path).is_dir():  # as in T5X
             raise ValueError(f"utils.RestoreCheckpointConfig.path: {path} is not a directory "
                              "(mode 'latest' looks for checkpoint_<step> in one)")
-        if not (checkpoints.steps(path) if cfg.mode == "latest" else is_step_dir(path)):
-            continue
-        template = state.state_dict()
-        if cfg.dtype:
-            template = checkpoints.cast_floats(template, cfg.dtype)
-        with phases.phase(f"restoring a checkpoint of {path}"):
-            if cfg.mode == "latest":
-                own = Path(path).absolute() == Path(model_dir).absolute()
-                found = restore_verified(str(path), template, say, own)
-            else:
-                found = restore_specific(Path(path), template)
-        if found:
-            step, tree = found
-            tree = jax.tree.map(lambda r, t: r.astype(t.dtype), tree, state.state_dict())
-            kind = integrity.manifest_info(Path(path) / f"checkpoint_{step}").get("kind")
-            say(f"restored {path}/checkpoint_{step}"
-                + (f" (a {kind} save)" if kind == "preemption" else ""))
-            restored = state.restore_state(tree)
-            return restored, int(jax.device_get(restored.step))
-    if cfg.mode == "specific":
-        raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at {cfg.path}")
-    return state, 0  # as in T5X: mode 'latest' and no checkpoint yet is a start from scratch
+        if cfg.mode == "specific" and not is_step_dir(path):
+            raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at "
+                                    f"{path} (a checkpoint_<step> dir with {checkpoints.ITEM}/)")
+        if cfg.mode == "specific" or checkpoints.steps(path):
+            return _restored(state, path, cfg.mode, cfg, say, own=False)
+    return state, 0  # as in T5X: nothing to restore is a start from scratch
+
+
+def _restored(state: Any, path: str, mode: str, cfg: Any, say: Callable[[str], None],
+              own: bool) -> tuple[Any, int]:
+    template = state.state_dict()
+    if cfg is not None and cfg.dtype:
+        template = checkpoints.cast_floats(template, cfg.dtype)
+    with phases.phase(f"restoring a checkpoint of {path}"):
+        if mode == "specific" and cfg is not None and not cfg.strict:
+            from capibara_exp.runtime import initial
+
+            restored, step = initial.restore_what_it_has(state, Path(path), template, say)
+            return restored, step
+        found = (restore_verified(str(path), template, say, own) if mode == "latest"
+                 else restore_specific(Path(path), template))
+    step, tree = found
+    tree = jax.tree.map(lambda r, t: r.astype(t.dtype), tree, state.state_dict())
+    kind = integrity.manifest_info(Path(path) / f"checkpoint_{step}").get("kind")
+    where = f"{path}/checkpoint_{step}" if mode == "latest" else str(path)
+    say(f"restored {where}" + (f" (a {kind} save)" if kind == "preemption" else ""))
+    restored = state.restore_state(tree)
+    return restored, int(jax.device_get(restored.step))

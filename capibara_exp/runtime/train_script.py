@@ -216,8 +216,7 @@ def _window(a: dict[str, Any], state: TrainState, lead: bool, model_dir: str) ->
     length = max(cfg.task_feature_lengths.values())
     net_config = getattr(model.module, "config", None)
     flops = cfg.batch_size * length * model_flops_per_token(
-        getattr(model, "frozen_params", None) or state.params, net_config, length,
-        getattr(model.module, "moe_config", None))
+        net_config, length, getattr(model.module, "moe_config", None))
     # One device's measured peak in the compute dtype times the devices the step runs on
     # (simulated CPU devices share the host's cores, so there MFU reads low).
     peak = run_peak_flops(model_dir, getattr(net_config, "dtype", "float32")) * \

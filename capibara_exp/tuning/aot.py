@@ -109,13 +109,11 @@ def oom_bytes(message: str) -> float:
 
 
 def model_flops_per_chip(bindings: dict[str, Any], num_devices: int) -> float:
-    from capibara_exp.runtime import state as run_state
     from capibara_exp.runtime.metrics import model_flops_per_token
 
     model, data = bindings["model"], bindings["train_dataset_cfg"]
     length = max(data.task_feature_lengths.values())
-    params = run_state.state_shapes(model, 1, length)[0].params
-    per_token = model_flops_per_token(params, getattr(model.module, "config", None), length,
+    per_token = model_flops_per_token(getattr(model.module, "config", None), length,
                                       getattr(model.module, "moe_config", None))
     return per_token * data.batch_size * length / num_devices
 

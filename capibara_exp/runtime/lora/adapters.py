@@ -95,6 +95,17 @@ def _expert(cfg: AdapterConfig, module: ExpertMlp, y: jnp.ndarray, name: str, x:
     return y + (cfg.scale * delta).astype(y.dtype)
 
 
+def _expert_ragged(cfg: AdapterConfig, module: ExpertMlp, y: jnp.ndarray, name: str,
+                   x: jnp.ndarray, sizes: jnp.ndarray, axes: tuple[str, str]) -> jnp.ndarray:
+    """The adapters of a dropless expert projection: rows grouped by expert, each group
+    through its expert's A and B (lax.ragged_dot, as the kernel itself)."""
+    a, b = _adapter_pair(module, name, sizes.shape[0], x.shape[-1], y.shape[-1], axes, cfg.rank)
+    x = _dropped(module, x, cfg.dropout).astype(y.dtype)
+    xa = jax.lax.ragged_dot(x, jnp.swapaxes(a, -1, -2).astype(y.dtype), sizes)
+    delta = jax.lax.ragged_dot(xa, b.astype(y.dtype), sizes)
+    return y + (cfg.scale * delta).astype(y.dtype)
+
+
 def interceptor(cfg: AdapterConfig) -> Callable:
     """A Flax method interceptor (nn.intercept_methods) adding adapters to the targets."""
 
@@ -107,6 +118,11 @@ def interceptor(cfg: AdapterConfig) -> Callable:
             name, x, _, axes = args
             if "/".join((*module.path, name)) in cfg.targets:
                 return _expert(cfg, module, next_fun(*args, **kwargs), name, x, axes)
+        elif isinstance(module, ExpertMlp) and method == "project_ragged":
+            name, x, sizes, _, axes = args
+            if "/".join((*module.path, name)) in cfg.targets:
+                return _expert_ragged(cfg, module, next_fun(*args, **kwargs), name, x, sizes,
+                                      axes)
         return next_fun(*args, **kwargs)
 
     return intercept

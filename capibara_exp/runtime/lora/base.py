@@ -15,11 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-from flax import traverse_util
-
 from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity
 
@@ -83,41 +78,9 @@ def read_pointer(step_dir: Path) -> dict[str, Any]:
     return record
 
 
-def check_shapes(step_dir: Path, expected: Mapping[str, Any]) -> None:
-    """The checkpoint's params ('target') must be the model's: an error naming the first
-    parameter (in path order) that is missing, extra or of another shape."""
-    try:
-        tree = ocp.PyTreeCheckpointHandler().metadata(step_dir / checkpoints.ITEM).tree
-    except Exception as err:  # orbax raises many types for an unreadable checkpoint
-        raise ConfigError(f"{_WHERE}: cannot read {step_dir}: {type(err).__name__}: {err}") from err
-    if "target" not in tree:
-        raise ConfigError(f"{_WHERE}: {step_dir} is not in T5X's layout (no 'target' params)")
-    stored = {k: tuple(v.shape) for k, v in
-              traverse_util.flatten_dict(dict(tree["target"]), sep="/").items()}
-    want = {k: tuple(v.shape) for k, v in expected.items()}
-    problems = [(k, f"checkpoint {stored.get(k, 'has none')}, model {want[k]}")
-                for k in sorted(want) if stored.get(k) != want[k]]
-    problems += [(k, f"checkpoint {stored[k]}, not in the model") for k in sorted(stored)
-                 if k not in want]
-    if problems:
-        first, detail = problems[0]
-        raise ConfigError(f"{_WHERE}: {step_dir} does not fit the model ({len(problems)} of "
-                          f"{len(want)} parameters differ); first: {first}: {detail}")
+def check_shapes(step_dir: Path, expected: Mapping[str, Any], where: str = _WHERE) -> None:
+    """The base's params must be the model's (runtime/checkpoints.check_params)."""
+    checkpoints.check_params(step_dir, expected, where)
 
 
-def restore_params(step_dir: Path, shapes: Mapping[str, Any],
-                   shardings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The checkpoint's params (flat), in the dtypes of `shapes`: placed on `shardings`, or
-    as host arrays without them. Only 'target' is read, not the optimizer state."""
-    flat = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                    sharding=None if shardings is None else shardings[k])
-            for k, v in shapes.items()}
-    item = {"target": traverse_util.unflatten_dict(flat, sep="/")}
-    if shardings is None:
-        args = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype), item)
-    else:
-        args = ocp.checkpoint_utils.construct_restore_args(item)
-    with ocp.PyTreeCheckpointer() as ckptr:
-        tree = ckptr.restore(step_dir / checkpoints.ITEM, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args, partial_restore=True))
-    return traverse_util.flatten_dict(tree["target"], sep="/")
+restore_params = checkpoints.restore_params

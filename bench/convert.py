@@ -1,0 +1,175 @@
+"""capibara-exp-convert against a plain read of the same safetensors, in one run.
+
+Builds a Llama-shaped model directory of about --gb gigabytes (random bfloat16 weights,
+written here with the converter's own safetensors writer; a tokenizer-less directory as
+transformers saves one), then times and measures, each in a fresh process:
+
+- a plain read: every tensor of the files read into memory once (the converter's reader,
+  one read per tensor, no conversion);
+- Orbax's own write of the same parameters from memory (made beforehand, not timed): the
+  floor any import through Orbax has;
+- the import: the same files into a T5X-layout checkpoint;
+- the export: that checkpoint back into safetensors.
+
+Prints throughput (bytes of weights per second) and each one's ratio to the plain read (the
+goal is >= 0.7x), and the import's peak host memory (RSS above the process's start) against
+the largest tensor and against the model (the goal: bounded by a few tensors, flat in model
+size).
+
+    python bench/convert.py [--gb 2.0] [--layers 8] [--cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CHILD = r"""
+import json, sys, threading, time, psutil
+peak = [0]
+proc = psutil.Process()
+start = proc.memory_info().rss
+def watch():
+    while True:
+        peak[0] = max(peak[0], proc.memory_info().rss); time.sleep(0.005)
+threading.Thread(target=watch, daemon=True).start()
+what, src, out = sys.argv[1:4]
+import numpy as np
+from capibara_exp.convert import hf_export, hf_import, safetensors_io  # (start-up not timed)
+start = proc.memory_info().rss
+t0 = time.perf_counter()
+if what == "read":
+    ckpt = safetensors_io.Checkpoint(__import__("pathlib").Path(src))
+    total = 0
+    for name in ckpt.names():
+        total += ckpt.tensor(name).nbytes  # each tensor read into memory once
+elif what == "floor":  # Orbax writing the same parameters, already made, from memory
+    import orbax.checkpoint as ocp
+    from flax import traverse_util
+    config = json.loads((__import__("pathlib").Path(src) / "config.json").read_text())
+    fam, keys = hf_import.families.model_keys(config)
+    keys.update(scan_layers=False, dtype="bfloat16")
+    shapes = hf_import.param_shapes(keys)
+    ckpt = safetensors_io.Checkpoint(__import__("pathlib").Path(src))
+    made = {e.path: hf_import.lazy_leaf(ckpt, e, shapes[e.path]).load()
+            for e in hf_import.names.entries(fam, keys)}
+    tree = {"state": {"step": np.asarray(0, np.int32)},
+            "target": traverse_util.unflatten_dict(made, sep="/")}
+    start, t0 = proc.memory_info().rss, time.perf_counter()
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True,
+                                                      use_compression=False)) as c:
+        c.save(out, args=ocp.args.PyTreeSave(tree))
+elif what == "import":
+    hf_import.import_model(src, out, name="bench")
+else:
+    hf_export.export_model(src, out)
+seconds = time.perf_counter() - t0
+time.sleep(0.02)
+print(json.dumps({"seconds": seconds, "peak_rss_above_start": peak[0] - start}))
+"""
+
+
+def build(directory: Path, gb: float, layers: int) -> dict:
+    """A Llama-shaped model of about `gb` GB of bfloat16 weights; its sizes."""
+    import ml_dtypes
+
+    from capibara_exp.convert import safetensors_io
+
+    d = int(((gb * 2**30 / 2) / (layers * 12 + 2 * 8)) ** 0.5) // 256 * 256  # ~12 d^2 a layer
+    heads, f, vocab = d // 64, 3 * d, 8 * d
+    kv = heads // 4
+    shapes = {"model.embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d),
+              "model.norm.weight": (d,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * 64, d),
+                       p + "self_attn.k_proj.weight": (kv * 64, d),
+                       p + "self_attn.v_proj.weight": (kv * 64, d),
+                       p + "self_attn.o_proj.weight": (d, heads * 64),
+                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f),
+                       p + "input_layernorm.weight": (d,),
+                       p + "post_attention_layernorm.weight": (d,)})
+    rng = np.random.default_rng(0)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    planned = [(n, s, bf16, lambda s=s: (rng.standard_normal(s, np.float32) * 0.02).astype(bf16))
+               for n, s in shapes.items()]
+    groups = safetensors_io.shards(planned, 2**30)
+    files = {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g
+             for i, g in enumerate(groups)}
+    total = 0
+    for name, group in files.items():
+        for _, nbytes in safetensors_io.write_file(directory / name, group):
+            total += nbytes
+    safetensors_io.write_index(directory, files, total)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d,
+              "intermediate_size": f, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "head_dim": 64, "vocab_size": vocab,
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+              "tie_word_embeddings": False}
+    (directory / "config.json").write_text(json.dumps(config))
+    largest = max(int(np.prod(s)) * 2 for s in shapes.values())
+    return {"bytes": total, "largest_tensor": largest, "emb_dim": d, "layers": layers}
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (root on Linux), so each step reads from the disk."""
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure(what: str, src: Path, out: Path, cold: bool) -> dict:
+    if cold and not drop_caches():
+        raise SystemExit("--cold needs to write /proc/sys/vm/drop_caches (root on Linux)")
+    result = subprocess.run([sys.executable, "-c", CHILD, what, str(src), str(out)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(f"{what} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gb", type=float, default=2.0)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--cold", action="store_true",
+                        help="empty the page cache before each step (the files come from disk)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        root = Path(tmp).absolute()
+        (root / "hf").mkdir()
+        sizes = build(root / "hf", args.gb, args.layers)
+        read = measure("read", root / "hf", root / "unused", args.cold)
+        floor = measure("floor", root / "hf", root / "floor", False)
+        imported = measure("import", root / "hf", root / "imported", args.cold)
+        exported = measure("export", root / "imported", root / "exported", args.cold)
+    gb = sizes["bytes"] / 1e9
+    print(f"{'cold (page cache emptied before each)' if args.cold else 'warm page cache'}; "
+          f"model: {gb:.2f} GB bfloat16, emb_dim {sizes['emb_dim']}, {sizes['layers']} layers, "
+          f"largest tensor {sizes['largest_tensor'] / 1e6:.0f} MB")
+    for name, r in (("plain read", read), ("orbax write", floor), ("import", imported),
+                    ("export", exported)):
+        rate = gb / r["seconds"]
+        print(f"{name:11s} {r['seconds']:7.1f} s  {rate:6.3f} GB/s  "
+              f"{rate / (gb / read['seconds']):5.2f} x the plain read  "
+              f"peak RSS +{r['peak_rss_above_start'] / 1e6:7.0f} MB")
+    print(f"import: {imported['seconds'] / floor['seconds']:.2f} x the time Orbax takes to write "
+          "the same parameters from memory (the write alone, parameters made beforehand)")
+    peak = imported["peak_rss_above_start"]
+    print(f"import peak host memory: {peak / sizes['largest_tensor']:.2f} x the largest tensor, "
+          f"{peak / sizes['bytes']:.2f} x the model")
+
+
+if __name__ == "__main__":
+    main()
