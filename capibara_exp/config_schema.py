@@ -260,6 +260,7 @@ MERGE_RULES: dict[str, Rule] = {
     "gate.max_val_loss": Float(null=True), "gate.max_val_loss_ratio": Float(gt=0.0, null=True),
     "gate.max_distance_ratio": Float(gt=0.0, null=True),
     "gate.min_pass_fraction": Float(0.0, le=1.0),
+    "gate.max_relative_distance": Float(gt=0.0, null=True),
     "fedavg.num_clients": POSITIVE, "fedavg.rounds": POSITIVE, "fedavg.local_steps": POSITIVE,
     "fedavg.clip_norm": Float(gt=0.0, null=True), "fedavg.noise_multiplier": Float(0.0),
     "fedavg.target_delta": Float(gt=0.0, lt=1.0), "fedavg.seed": Int(0),

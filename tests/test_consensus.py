@@ -25,7 +25,7 @@ TINY = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp
         "schedule.warmup_steps=2"]
 NUM_HONEST, LOCAL_STEPS = 5, 4
 OFF = GateConfig(check_finite=False, max_val_loss_ratio=None, max_distance_ratio=None,
-                 min_pass_fraction=0.0)
+                 min_pass_fraction=0.0, require_shared_ancestor=False)
 
 
 def read_tree(step_dir: Path) -> dict:

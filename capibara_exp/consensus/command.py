@@ -71,11 +71,11 @@ def run_merge(cfg: DictConfig) -> dict:
         if len(runs) != 1:
             raise ValueError(f"last_k={cfg.last_k} merges one run's checkpoints; "
                              f"runs has {len(runs)}")
-        candidates = store.last_k(runs[0], int(cfg.last_k))
+        candidates = store.last_k(runs[0], int(cfg.last_k), bool(cfg.use_ema))
         if not candidates:
             raise FileNotFoundError(f"{runs[0]}: no finished checkpoint to merge (last_k)")
     else:
-        candidates = [store.candidate_from_path(r) for r in runs]
+        candidates = [store.candidate_from_path(r, use_ema=bool(cfg.use_ema)) for r in runs]
     evaluator, report_evaluator = _evaluators(cfg, candidates[0].step_dir,
                                               evaluation_needs(spec, gate))
     base = store.candidate_from_path(cfg.base) if cfg.base else None

@@ -104,6 +104,7 @@ class Checkpointer:
         self._pending: dict[int, dict] = {}  # committed-to-be steps -> manifest facts
         self._sidecars: dict[int, dict[str, dict]] = {}  # their extra files
         self._lock = threading.Lock()
+        self.lineage: list[dict] | None = None  # runtime/lineage.py: recorded in manifests
         options = ocp.CheckpointManagerOptions(
             step_prefix=STEP_PREFIX, max_to_keep=keep, create=True,
             cleanup_tmp_directories=True,  # a save a kill cut short leaves a temporary dir
@@ -127,6 +128,8 @@ class Checkpointer:
         self.wait()  # one save at a time: the previous one commits before this one starts
         with self._lock:
             self._pending[step] = {"step": step, "kind": kind, "finite": True}
+            if self.lineage is not None:
+                self._pending[step]["lineage"] = self.lineage
             self._sidecars[step] = dict(sidecars or {})
         self._mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
                        force=True, custom_metadata={KIND_KEY: kind})
@@ -167,8 +170,11 @@ def manager(model_dir: str | Path, keep: int | None = None,
 
 
 def save(mgr: Checkpointer, step: int, tree: Any, kind: str = "saved",
-         sidecars: dict[str, dict] | None = None) -> Path:
-    """Write one checkpoint and wait until it is on disk with its manifest."""
+         sidecars: dict[str, dict] | None = None, lineage: list[dict] | None = None) -> Path:
+    """Write one checkpoint and wait until it is on disk with its manifest (recording
+    `lineage`, runtime/lineage.py, when given)."""
+    if lineage is not None:
+        mgr.lineage = lineage
     return mgr.save(step, tree, kind, wait=True, sidecars=sidecars)
 
 

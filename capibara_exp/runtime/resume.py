@@ -186,11 +186,12 @@ def newest_finite(model_dir: str) -> str:
     return f"no checkpoint exists in {model_dir}: a re-run starts from scratch"
 
 
-def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None]
-            ) -> tuple[Any, int]:
+def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None],
+            on_restore: Callable[[Path], None] | None = None) -> tuple[Any, int]:
     """train's restore phase: the TrainState from the newest checkpoint that verifies (or a
     specific one; `cfg`: T5X's RestoreCheckpointConfig, None for none) and its step, which
-    is also the data position. Corrupt ones of the run's own model dir are moved aside."""
+    is also the data position. Corrupt ones of the run's own model dir are moved aside.
+    `on_restore` is told the step dir restored (the run's lineage starts there)."""
     if cfg is None:
         return state, 0
     for path in cfg.paths:
@@ -215,6 +216,9 @@ def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None]
             say(f"restored {path}/checkpoint_{step}"
                 + (f" (a {kind} save)" if kind == "preemption" else ""))
             restored = state.restore_state(tree)
+            if on_restore is not None:
+                on_restore(Path(path).absolute() if cfg.mode == "specific" else
+                           Path(path).absolute() / f"checkpoint_{step}")
             return restored, int(jax.device_get(restored.step))
     if cfg.mode == "specific":
         raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at {cfg.path}")

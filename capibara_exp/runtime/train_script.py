@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
-from capibara_exp.runtime import checkpoints, inputs, monitor, resume
+from capibara_exp.runtime import checkpoints, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
 from capibara_exp.runtime.config import (
@@ -91,6 +91,7 @@ class _Run:
     saver: checkpoints.Checkpointer | None = None
     eval_batches: list[dict] = dataclasses.field(default_factory=list)
     saved: set[int] = dataclasses.field(default_factory=set)
+    lineage: list[dict] | None = None  # what the weights descend from (runtime/lineage.py)
 
     @property
     def save_cfg(self) -> Any:
@@ -147,8 +148,11 @@ def train(
     _check_arguments(args)
     run, state = _setup(args)
     try:
+        restored: list[Path] = []
         state, start_step = resume.restore(state, checkpoint_cfg.restore, run.model_dir,
-                                           run.progress.message)
+                                           run.progress.message, restored.append)
+        run.lineage = lineage.for_run(run.model_dir, (restored or [None])[0],
+                                      run.args["random_seed"], state.params)
         step, state, stop = _loop(run, state, start_step)
         _finish(run, step, state, stop)
     finally:
@@ -240,6 +244,7 @@ def _loop(run: _Run, state: TrainState, start_step: int) -> tuple[int, TrainStat
     """Train from start_step to total_steps (or until an action stops it, or a signal)."""
     if run.save_cfg:  # after the restore: Orbax lists the steps when it opens the dir
         run.saver = checkpoints.manager(run.model_dir, run.save_cfg.keep, async_save=True)
+        run.saver.lineage = run.lineage
     train_iter = _batches(run, start_step)
     data_sharding = run.trainer.partitioner.data_sharding()
     run.eval_batches = [global_batch(b, data_sharding) for b in _eval_batches(
