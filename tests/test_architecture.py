@@ -23,6 +23,8 @@ NEVER: list[tuple[str, tuple[str, ...], str]] = [
     ("capibara_exp.overrides", ("capibara_exp", *HEAVY), "a leaf"),
     ("capibara_exp.gin_bridge", ("capibara_exp.runtime", "capibara_exp.data", *HEAVY),
      "conf -> gin is pure: it renders text and never runs what it names"),
+    ("capibara_exp.gin_actions", ("capibara_exp.runtime", "capibara_exp.data", *HEAVY),
+     "joining actions is part of the bridge: text in, text out"),
     ("capibara_exp.config_schema", (*HEAVY, "capibara_exp.runtime", "hydra"),
      "checked before any heavy import (compose time)"),
     ("capibara_exp.config_check", (*HEAVY, "capibara_exp.runtime"), "compose time"),

@@ -100,6 +100,10 @@ class ConsensusMerge(ChecksumCheckpoints):
         self.use_ema = use_ema  # an EMA run merges its EMA weights (False: the raw ones)
         self.fired_at: int | None = None
         self.report: dict | None = None
+        self.events: Any = None  # the local engine's events (runtime/events.py): `merge`
+
+    def bind_events(self, events: Any) -> None:
+        self.events = events
 
     def run(self, train_state: Any, metrics_by_task: Mapping[str, Any]) -> bool:
         super().run(train_state, metrics_by_task)  # the final checkpoint gets its manifest too
@@ -120,4 +124,6 @@ class ConsensusMerge(ChecksumCheckpoints):
                             self.gate, report_evaluator=report_evaluator)
         for line in report.warning_lines(self.report):
             print(f"capibara-exp consensus merge: {line}", file=sys.stderr)
+        if self.events is not None:
+            self.events.emit("merge", report=self.report)
         return False  # merging never stops training; it runs after the final step anyway

@@ -105,6 +105,7 @@ class Checkpointer:
         self._sidecars: dict[int, dict[str, dict]] = {}  # their extra files
         self._lock = threading.Lock()
         self.lineage: list[dict] | None = None  # runtime/lineage.py: recorded in manifests
+        self.committed: list[tuple[int, str]] = []  # (step, step dir) with their manifests
         options = ocp.CheckpointManagerOptions(
             step_prefix=STEP_PREFIX, max_to_keep=keep, create=True,
             cleanup_tmp_directories=True,  # a save a kill cut short leaves a temporary dir
@@ -150,6 +151,7 @@ class Checkpointer:
                     (path / name).write_text(json.dumps(record, indent=1, sort_keys=True))
                 integrity.write_manifest(path, **info)
             with self._lock:
+                self.committed.append((step, str(path)))
                 self._pending.pop(step, None)
                 self._sidecars.pop(step, None)
 

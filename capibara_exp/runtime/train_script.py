@@ -23,6 +23,7 @@ from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (calle
 from capibara_exp.runtime import checkpoints, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
+from capibara_exp.runtime.events import Events, EventWriter
 from capibara_exp.runtime.config import (
     CheckpointConfig,
     DatasetConfig,
@@ -92,6 +93,7 @@ class _Run:
     eval_batches: list[dict] = dataclasses.field(default_factory=list)
     saved: set[int] = dataclasses.field(default_factory=set)
     lineage: list[dict] | None = None  # what the weights descend from (runtime/lineage.py)
+    events: Events | None = None  # callback events beyond T5X's actions (runtime/events.py)
 
     @property
     def save_cfg(self) -> Any:
@@ -153,6 +155,7 @@ def train(
                                            run.progress.message, restored.append)
         run.lineage = lineage.for_run(run.model_dir, (restored or [None])[0],
                                       run.args["random_seed"], state.params)
+        run.events.emit("train_begin", step=start_step, model_dir=run.model_dir)
         step, state, stop = _loop(run, state, start_step)
         _finish(run, step, state, stop)
     finally:
@@ -207,10 +210,11 @@ def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
                             .compile(), watch, batch_size)
     state = trainer.prepare_state(initial_state(model, init_rng, batch_size, length)[0])
     max_skips = trainer.max_consecutive_skips if trainer.skip_nonfinite_updates else None
+    events = Events(actions)
     run = _Run(a, trainer, model_dir, epoch, a["stats_period"] or epoch, actions,
-               MetricsWriter(model_dir) if lead else NullWriter(), progress,
-               _window(a, state, lead, model_dir),
-               NanGuard(max_skips, lambda: _last_good(run)), watch)
+               EventWriter(MetricsWriter(model_dir) if lead else NullWriter(), events),
+               progress, _window(a, state, lead, model_dir),
+               NanGuard(max_skips, lambda: _last_good(run)), watch, events=events)
     return run, state
 
 
@@ -302,10 +306,14 @@ def _after_step(run: _Run, state: TrainState, step: int) -> bool:
             _save(run, state, step, "final" if final else "periodic", wait=final)
         elif extra:
             _save(run, state, step, "extra")
+        if run.saver:  # the saves committed so far (the final one is waited for) come first
+            run.events.saved(run.saver.committed)
         stop = run_actions(run.actions.get("TRAIN_EVAL", []), state, metrics_by_task) or stop
         run.window.reset()  # evaluation and checkpointing are not step time
     elif extra:  # T5X's checkpoint_steps: extra steps to save
         _save(run, state, step, "extra")
+    if run.saver:
+        run.events.saved(run.saver.committed)
     return stop
 
 
@@ -339,10 +347,13 @@ def _preempted(run: _Run, state: TrainState, step: int, signal_name: str | None)
         if step not in run.saved:
             _save(run, state, step, "preemption", wait=True)
         run.saver.wait()
+        run.events.saved(run.saver.committed)
         saved = f"{run.model_dir}/checkpoint_{step} holds every finished step"
     message = (f"preempted by {signal_name} after step {step}: {saved}; run the same command "
                "again to resume")
     run.progress.message(message)
+    run.events.emit("preemption", step=step,
+                    path=f"{run.model_dir}/checkpoint_{step}" if run.saver else None)
     raise Preempted(message)
 
 
@@ -353,6 +364,10 @@ def _finish(run: _Run, step: int, state: TrainState, stop: bool) -> None:
         _save(run, state, step, "stop")
     if jax.process_index() == 0:
         run.args["summarize_config_fn"](run.model_dir, run.writer, step)
+    if run.saver:
+        run.saver.wait()
+        run.events.saved(run.saver.committed)
+    run.events.emit("train_end", step=step, model_dir=run.model_dir)
 
 
 def _evaluate_and_act(run: _Run, state: TrainState, step: int) -> bool:
