@@ -22,7 +22,8 @@ from capibara_exp.errors import ConfigError
 
 MODES = ("TRAIN", "TRAIN_EVAL", "INFER_EVAL")  # T5X's action modes
 ACTION_MACRO_RE = re.compile(r"^\s*((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)
-NOTE = "# note (actions): "  # config.gin lines the console repeats (notes())
+NOTE = "# note (actions): "
+_ACTIONS_RE = re.compile(r"\bactions\s*=")  # config.gin lines the console repeats (notes())
 
 
 class _TextDelegate(config_parser.ParserDelegate):
@@ -46,15 +47,18 @@ def template_actions(text: str) -> dict[str, list[str]]:
 
 def user_actions(text: str, where: str) -> dict[str, list[str]] | None:
     """The entries of the last `train_script.train.actions` binding in a user's gin text
-    ({mode: [gin text of each action]}), or None when it binds none."""
+    ({mode: [gin text of each action]}), or None when it binds none. A text gin cannot
+    parse is left to the check that parses config.gin, which names the line."""
+    if not _ACTIONS_RE.search(text):
+        return None
     found = None
     try:
         for statement in config_parser.ConfigParser(text, _TextDelegate()):
             if isinstance(statement, config_parser.BindingStatement) and \
                     _is_train_script(statement):
                 found = statement
-    except SyntaxError as err:
-        raise ConfigError(f"{where}: {err}") from None
+    except Exception:  # tokenize and gin raise several types for a typo
+        return None
     if found is None:
         return None
     value = found.value
