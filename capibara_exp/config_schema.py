@@ -264,6 +264,18 @@ MERGE_RULES: dict[str, Rule] = {
     "fedavg.num_clients": POSITIVE, "fedavg.rounds": POSITIVE, "fedavg.local_steps": POSITIVE,
     "fedavg.clip_norm": Float(gt=0.0, null=True), "fedavg.noise_multiplier": Float(0.0),
     "fedavg.target_delta": Float(gt=0.0, lt=1.0), "fedavg.seed": Int(0),
+    "fedavg.fraction_fit": Float(gt=0.0, le=1.0), "fedavg.min_fit_clients": POSITIVE,
+    "fedavg.initial_checkpoint": Rule("str", null=True), "fedavg.proximal_mu": Float(0.0),
+    "fedavg.aggregation": Choice("uniform", "median", "trimmed_mean", "krum", "multi_krum",
+                                 "geometric_median"),
+    "fedavg.num_byzantine": Int(0), "fedavg.num_selected": Int(1, null=True),
+    "fedavg.server_optimizer": Choice("fedadam", "fedyogi", "fedavgm", null=True),
+    "fedavg.eta": Float(0.0, null=True), "fedavg.beta_1": Float(0.0, null=True),
+    "fedavg.beta_2": Float(0.0, null=True), "fedavg.tau": Float(0.0, null=True),
+    "fedavg.server_learning_rate": Float(0.0, null=True),
+    "fedavg.server_momentum": Float(0.0, null=True),
+    "fedavg.target_epsilon": Float(gt=0.0, null=True), "fedavg.poisoned_clients": Int(0),
+    "fedavg.poison": Choice("sign_flip", "scaled", "noise"),
 }
 DATA_BUILD_RULES: dict[str, Rule] = {
     "data_dir": Rule("str"),

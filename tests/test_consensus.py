@@ -273,9 +273,10 @@ def test_fedavg_with_dp_reports_epsilon_and_learns(setup, tmp_path) -> None:
     assert integrity.verify_manifest(Path(rep["checkpoint"])) == []
     assert (tmp_path / federated.REPORT).is_file()
     assert 0 < rep["epsilon"] < float("inf") and int(state.step) == 4
-    tighter = federated.epsilon(federated.FedConfig(rounds=2, clip_norm=1.0, noise_multiplier=0.5))
-    assert tighter < rep["epsilon"]  # more noise, less privacy loss
-    assert federated.epsilon(federated.FedConfig(clip_norm=None)) is None
+    from capibara_exp.consensus import dp
+
+    assert rep["epsilon"] == pytest.approx(dp.epsilon(0.02, 1.0, 2, 1e-5))
+    assert dp.epsilon(0.5, 1.0, 2, 1e-5) < rep["epsilon"]  # more noise, less privacy loss
 
 
 def test_capibara_exp_merge_config_composes_and_merges(setup, tmp_path) -> None:

@@ -108,7 +108,8 @@ def console_lines(rep: dict) -> list[str]:
 
 def summary(rep: dict) -> str:
     if "rounds" in rep:  # FedAvg
-        eps = f", epsilon {rep['epsilon']:.3g} at delta {rep['delta']}" if rep["epsilon"] else ""
+        eps = (f", noise multiplier {rep['noise_multiplier']:.4g}: epsilon {rep['epsilon']:.3g} "
+               f"at delta {rep['delta']}" if rep["epsilon"] else "")
         return (f"{rep['checkpoint']} after {len(rep['rounds'])} rounds (val loss "
                 f"{_num(rep['rounds'][-1]['val_loss'])}{eps})")
     loss = rep["held_out_loss"] or rep["val_loss"]

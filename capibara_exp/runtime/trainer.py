@@ -201,6 +201,10 @@ class Trainer:
             self._frozen_values = self.frozen.load(self._frozen_shardings)
         return self._frozen_values
 
+    def reload_frozen(self) -> None:
+        """Read the frozen inputs again at the next step (FedProx's anchor, each round)."""
+        self._frozen_values = None
+
     def _loss_fn(self, frozen: Any) -> Callable:
         if frozen is None:
             return self.model.loss_fn
