@@ -82,10 +82,15 @@ class Events:
             if handler is not None:
                 handler(**payload)
 
-    def saved(self, committed: Sequence[tuple[int, str]]) -> None:
-        """`checkpoint_saved` for each newly committed checkpoint (Orbax commits in the
-        background: the loop reports them from the main thread)."""
-        for step, path in committed:
+    def saved(self, saver: Any, wait: bool = False) -> None:
+        """`checkpoint_saved` for each checkpoint the saver (None: none) newly committed
+        (Orbax commits in the background: the loop reports them from the main thread);
+        `wait`: until every save in flight has committed."""
+        if saver is None:
+            return
+        if wait:
+            saver.wait()
+        for step, path in list(saver.committed):
             if step not in self._saved:
                 self._saved.add(step)
                 self.emit("checkpoint_saved", step=step, path=path)

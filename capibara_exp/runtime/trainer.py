@@ -147,6 +147,7 @@ class Trainer:
         ema_decay: float | None = None,
         skip_nonfinite_updates: bool = False,
         max_consecutive_skips: int = 3,
+        update_mask: Any = None,
     ):
         """T5X's Trainer; `ema_decay`, `skip_nonfinite_updates` and `max_consecutive_skips`
         are the local engine's own (T5X has neither EMA weights nor a skip-step policy)."""
@@ -176,6 +177,10 @@ class Trainer:
         self.max_consecutive_skips = max_consecutive_skips
         self._rng = rng
         self._tx = model.optimizer_def.optax_optimizer
+        if update_mask is not None:  # a curriculum stage's frozen modules (runtime/freeze.py)
+            from capibara_exp.runtime.freeze import freeze
+
+            self._tx = freeze(self._tx, update_mask)
         if ema_decay is not None:
             train_state_axes = train_state_axes.replace(ema_params=train_state_axes.params)
         state_shardings = partitioner.shardings(train_state_axes)
