@@ -16,9 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from gin import config_parser
-
 from capibara_exp.errors import ConfigError
+from gin import config_parser
 
 MODES = ("TRAIN", "TRAIN_EVAL", "INFER_EVAL")  # T5X's action modes
 ACTION_MACRO_RE = re.compile(r"^\s*((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)

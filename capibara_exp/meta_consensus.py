@@ -20,7 +20,6 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any

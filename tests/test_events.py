@@ -10,9 +10,9 @@ import os
 import signal
 from pathlib import Path
 
-import gin
 import pytest
 
+import gin
 from capibara_exp import experiment, gin_bridge
 from capibara_exp.errors import Preempted
 from capibara_exp.paths import GIN_DIR

@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capibara_exp import experiment
-from capibara_exp.consensus import dp, evaluate, fedopt, federated, run, store
+from capibara_exp.consensus import dp, evaluate, federated, fedopt, run, store
 from capibara_exp.consensus.fedconfig import FedConfig
 from capibara_exp.runtime import lineage
-from tests.conftest import compose_config
-from tests.test_train import TINY, train
+from tests.test_train import train
 
 
 @pytest.fixture(scope="module")

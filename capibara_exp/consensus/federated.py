@@ -142,7 +142,8 @@ def initial_parameters(cfg: FedConfig, state: TrainState) -> tuple[TrainState, l
     want = jax.tree.structure(state.params)
     if jax.tree.structure(params) != want or any(
             np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(params),
-                                                       jax.tree.leaves(state.params))):
+                                                       jax.tree.leaves(state.params),
+                                                       strict=True)):
         raise ValueError(f"fedavg.initial_checkpoint: {cand.step_dir} was written by another "
                          "model (its parameters' tree differs from the run's)")
     params = jax.device_put(jax.tree.map(lambda p, s: np.asarray(p, s.dtype), params,

@@ -23,13 +23,13 @@ from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (calle
 from capibara_exp.runtime import checkpoints, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
-from capibara_exp.runtime.events import Events, EventWriter
 from capibara_exp.runtime.config import (
     CheckpointConfig,
     DatasetConfig,
     reject_unsupported,
     require_value,
 )
+from capibara_exp.runtime.events import Events, EventWriter
 from capibara_exp.runtime.metrics import (
     MetricsWriter,
     NullWriter,
