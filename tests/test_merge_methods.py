@@ -24,13 +24,7 @@ SHAPES = {("token_embedder", "embedding"): (8, 4), ("layers_0", "mlp", "wi", "ke
 
 
 def _tree(params: dict, step: int) -> dict:
-    target: dict = {}
-    for path, value in params.items():
-        node = target
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return {"state": {"step": np.int32(step)}, "target": target}
+    return {"state": {"step": np.int32(step)}, "target": store.unflatten(params)}
 
 
 @pytest.fixture(scope="module")
