@@ -113,10 +113,12 @@ def candidates(n: int, side: int, root: Path, rng: np.random.Generator) -> list:
     from capibara_exp.runtime import checkpoints
 
     cands = []
+    # Fine-tunes of one base (a soup of unrelated models is refused by the gate).
+    base = {k: rng.standard_normal((side, side), dtype=np.float32) for k in ("wi", "wo")}
     for i in range(n):
-        tree = {"target": {"wi": rng.standard_normal((side, side), dtype=np.float32),
-                           "wo": rng.standard_normal((side, side), dtype=np.float32),
-                           "scale": np.ones(side, np.float32)},
+        tree = {"target": {k: v + np.float32(0.01) * rng.standard_normal(v.shape,
+                                                                           dtype=np.float32)
+                           for k, v in base.items()} | {"scale": np.ones(side, np.float32)},
                 "state": {"step": np.asarray(10, np.int32)}}
         mgr = checkpoints.manager(root / f"c{i}")
         checkpoints.save(mgr, 10, tree)
