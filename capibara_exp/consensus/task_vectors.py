@@ -42,15 +42,21 @@ def dare(tv: np.ndarray, density: float, u: np.ndarray, rescale: bool = True) ->
 
 def breadcrumbs(tv: np.ndarray, density: float, gamma: float) -> np.ndarray:
     """Model Breadcrumbs' mask on one leaf: drop the gamma share of largest magnitudes and
-    the smallest ones, so that round-down(density x size) entries stay."""
+    the smallest ones, so that round-down(density x size) entries stay.
+
+    Largest first; equal magnitudes rank by position (the earlier one counts as larger).
+    In linear time: each entry's key is its magnitude's float32 bits above its reversed
+    position (unique keys in that order), and one partition finds the two cut keys."""
     n = tv.size
     keep = int(density * n)
-    top = int(gamma * n)
-    top = min(top, n - keep)  # the outliers give way to reach the density
-    # Largest first; equal magnitudes rank by position (the earlier one counts as larger).
-    order = np.argsort(-np.abs(tv).reshape(-1), kind="stable")
-    mask = np.zeros(n, bool)
-    mask[order[top:top + keep]] = True
+    top = min(int(gamma * n), n - keep)  # the outliers give way to reach the density
+    if keep == 0:
+        return np.zeros_like(tv)
+    bits = np.abs(np.asarray(tv, np.float32)).reshape(-1).view(np.uint32).astype(np.uint64)
+    key = (bits << np.uint64(32)) | (np.uint64(n - 1) - np.arange(n, dtype=np.uint64))
+    low_at, high_at = n - top - keep, n - top - 1  # ascending positions of the kept keys
+    cut = np.partition(key, [low_at, high_at])
+    mask = (key >= cut[low_at]) & (key <= cut[high_at])
     return np.where(mask.reshape(tv.shape), tv, np.float32(0))
 
 
@@ -58,7 +64,9 @@ def della_keep_probability(tv: np.ndarray, density: float, epsilon: float) -> np
     """MAGPRUNE's keep probability of each entry: density - epsilon for the smallest
     magnitude of its row up to density + epsilon for the largest, linear in the rank."""
     rows = np.abs(tv).reshape(-1, tv.shape[-1] if tv.ndim else 1)
-    ranks = np.argsort(np.argsort(rows, axis=1, kind="stable"), axis=1).astype(np.float32)
+    order = np.argsort(rows, axis=1, kind="stable")
+    ranks = np.empty(rows.shape, np.float32)  # the inverse permutation: each entry's rank
+    np.put_along_axis(ranks, order, np.arange(rows.shape[1], dtype=np.float32)[None], axis=1)
     width = rows.shape[1] - 1
     share = ranks / width if width > 0 else np.full_like(ranks, 0.5)
     return (density - epsilon + 2.0 * epsilon * share).astype(np.float32).reshape(tv.shape)
