@@ -227,6 +227,10 @@ RULES: dict[str, Rule] = {
     "lora.quantize_block_size": Int(1, null=True),
     "lora.target_axes": ListOf(ListOf(Rule("str"))), "lora.target_modules": ListOf(Rule("str")),
     "monitor.memory_warn_fraction": Float(gt=0.0, le=1.0),
+    "wandb.wandb_name": Rule("str", null=True),
+    "wandb.wandb_mode": Choice("offline", "online", "disabled"),
+    "mlflow.mlflow_tracking_uri": Rule("str", null=True),
+    "mlflow.mlflow_run_name": Rule("str", null=True),
     "engine.max_restarts": Int(0), "engine.restart_backoff_s": Int(0),
     "engine.restart_backoff_max_s": Int(0),
     "consensus.template": Rule("str", null=True),
@@ -287,7 +291,16 @@ DATA_BUILD_RULES: dict[str, Rule] = {
     "splits.validation_percent": Int(0, le=100), "splits.test_percent": Int(0, le=100),
     "secret_scrubbing.min_recall": Float(0.0, le=1.0),
 }
-RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUILD_RULES}
+# capibara-exp-meta (conf/meta.yaml, conf/meta_consensus/; meta_consensus.py checks the rest)
+META_RULES: dict[str, Rule] = {
+    "out": Rule("str"), "meta_consensus.gate.threshold": Float(null=True),
+    "meta_consensus.gate.max_ratio": Float(1.0, null=True),
+    "meta_consensus.gate.min_pass_fraction": Float(0.0, le=1.0),
+    "meta_consensus.gate.mode": Choice("min", "max"),
+    "meta_consensus.merge.base": Rule("str", null=True),
+}
+RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUILD_RULES,
+                   "meta": META_RULES}
 
 
 def merge_method_rule() -> Rule:

@@ -202,8 +202,8 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
 
 
 def _user_parts(cfg: DictConfig, templates: list[Template]) -> list[str]:
-    """gin_files, then gin_bindings, then the one actions binding joining the templates'
-    actions with the user's (gin_actions.py)."""
+    """gin_files, gin_bindings and the one actions binding joining the templates' actions
+    with the user's (gin_actions.py)."""
     _check_actions(templates)
     out: list[str] = []
     user_files = _gin_files(cfg)
@@ -225,9 +225,12 @@ def _user_parts(cfg: DictConfig, templates: list[Template]) -> list[str]:
     for _, text in user_texts:
         for mode, refs in gin_actions.template_actions(text).items():
             user_macros.setdefault(mode, []).extend(refs)
-    out += gin_actions.join(gin_actions.template_actions("\n".join(t.text for t in templates)),
-                            user_macros, gin_actions.last_user_binding(user_texts))
-    return out
+    binding = gin_actions.last_user_binding(user_texts)
+    joined = gin_actions.join(gin_actions.template_actions("\n".join(t.text for t in templates)),
+                              user_macros, binding)
+    # After the user's binding, which it must override; else before the user's lines, so a
+    # binding left open in gin_bindings ends the file (gin's error then says so).
+    return out + joined if binding else joined + out
 
 
 def find_gin_file(name: str, search_paths: list[str], where: str) -> Path:
