@@ -167,3 +167,17 @@ def test_random_masks_keep_density_in_expectation_and_follow_the_seed() -> None:
 def test_bad_parameters_of_the_new_methods_are_errors(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         MergeSpec(**kwargs)
+
+
+def test_moe_expert_leaves_keep_their_expert_axis_on_a_mesh_that_has_one() -> None:
+    """A MoE checkpoint's expert kernels were saved sharded over `expert`: a merge mesh with
+    that axis places them so; one without it replicates them instead of failing."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    info = store.LeafInfo((4, 8, 16), np.dtype(np.float32), ("expert", None, "model"))
+    devices = np.array(jax.devices()[:1])
+    with_expert = Mesh(devices.reshape(1, 1, 1), ("data", "expert", "model"))
+    assert store.sharding_for(info, with_expert).spec == PartitionSpec("expert", None, "model")
+    plain = Mesh(devices.reshape(1, 1), ("data", "model"))
+    assert store.sharding_for(info, plain).spec == PartitionSpec()

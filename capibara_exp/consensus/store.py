@@ -115,14 +115,16 @@ def leaf_index(candidate: Candidate) -> dict[LeafPath, LeafInfo]:
 
 
 def sharding_for(info: LeafInfo, mesh: Mesh | None) -> jax.sharding.Sharding:
-    """The saved partition spec on `mesh` (when given and it divides), else one device."""
+    """The saved partition spec on `mesh` (when given, it has the spec's axes, e.g. a MoE
+    checkpoint's `expert`, and it divides the leaf), else replicated on it; one device
+    without a mesh."""
     if mesh is not None and info.spec is not None:
-        spec = PartitionSpec(*info.spec)
-        sharding = NamedSharding(mesh, spec)
         try:
+            sharding = NamedSharding(mesh, PartitionSpec(*info.spec))
             sharding.shard_shape(info.shape)
             return sharding
-        except ValueError:  # this mesh does not divide the leaf: replicate it
+        except ValueError:  # the mesh lacks an axis of the saved spec (a MoE checkpoint's
+            # `expert` on a data x model mesh) or does not divide the leaf: replicate it
             return NamedSharding(mesh, PartitionSpec())
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
