@@ -241,7 +241,8 @@ def _report(mc: DictConfig, out: Path, members: list[Strategy], values: dict[str
                         "rejected_because": rejected.get(s.name),
                         "merge_weight": rows.get(s.name, {}).get("weight")} for s in members],
            "merge": {"method": merged_rep["method"], "checkpoint": merged_rep["merged_checkpoint"],
-                     "held_out_loss": merged_rep["held_out_loss"]},
+                     "held_out_loss": merged_rep["held_out_loss"],
+                     "rejected": merged_rep["rejections"]},  # by the merge's own gate
            "merged": {"metric": merged_value, "best_member": best,
                       "best_member_metric": values[best],
                       "vs_best_member": merged_value - values[best]}}
@@ -254,8 +255,12 @@ def summary_lines(rep: dict) -> list[str]:
     """The report as a table for the console."""
     lines = [f"{'member':16s} {'weight':>7s} {rep['metric']:>18s}  gate"]
     for m in rep["members"]:
-        lines.append(f"{m['name']:16s} {m['weight']:7.3g} {m['metric']:18.4f}  "
-                     + ("passed" if m["passed"] else f"rejected: {m['rejected_because']}"))
+        merged_why = rep["merge"]["rejected"].get(m["name"])
+        weight = m["merge_weight"]
+        verdict = (f"rejected: {m['rejected_because']}" if not m["passed"] else
+                   f"passed; left out by the merge's gate: {merged_why}" if merged_why else
+                   "passed; merged" if weight is None else f"passed; merge weight {weight:.3g}")
+        lines.append(f"{m['name']:16s} {m['weight']:7.3g} {m['metric']:18.4f}  {verdict}")
     merged = rep["merged"]
     lines.append(f"{'merged':16s} {'':7s} {merged['metric']:18.4f}  "
                  f"({rep['merge']['method']['method']}; best member {merged['best_member']} "
