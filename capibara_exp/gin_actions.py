@@ -47,7 +47,8 @@ def template_actions(text: str) -> dict[str, list[str]]:
 def user_actions(text: str, where: str) -> dict[str, list[str]] | None:
     """The entries of the last `train_script.train.actions` binding in a user's gin text
     ({mode: [gin text of each action]}), or None when it binds none. A text gin cannot
-    parse is left to the check that parses config.gin, which names the line."""
+    parse, or a binding with a mode that is not T5X's, is left as it is to the check that
+    parses config.gin and starts the run, which names the line."""
     if not _ACTIONS_RE.search(text):
         return None
     found = None
@@ -61,11 +62,13 @@ def user_actions(text: str, where: str) -> dict[str, list[str]] | None:
     if found is None:
         return None
     value = found.value
-    if not isinstance(value, dict) or not all(
-            m in MODES and isinstance(v, (list, tuple)) for m, v in value.items()):
+    if not isinstance(value, dict) or not all(isinstance(v, (list, tuple))
+                                              for v in value.values()):
         raise ConfigError(f"{where}: train_script.train.actions must be a dict of T5X's modes "
                           f"({', '.join(MODES)}) to lists of actions, got {value!r}")
-    return {mode: [str(a) for a in acts] for mode, acts in value.items()}
+    if set(value) - set(MODES):  # left as the last binding: the engine names the mode
+        return None
+    return {str(mode): [str(a) for a in acts] for mode, acts in value.items()}
 
 
 def _is_train_script(statement: config_parser.BindingStatement) -> bool:
