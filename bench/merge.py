@@ -18,6 +18,12 @@ drift cancels.
    TensorStore reading the same candidates alone. Goal: a gated merge (manifest digests,
    NaN/Inf, distance to the median) >= 0.7 x the reads alone; PASS/FAIL printed.
 3. Krum's cost (Gram pass + solve) as N grows.
+4. The methods that work on task vectors or interpolate (SLERP, Model Stock, DARE,
+   Breadcrumbs, DELLA), one leaf of N candidates and a base as merge() calls them,
+   against a NumPy baseline measured in the same run, interleaved: the plain task
+   arithmetic of the same leaves (base + mean of x_i - base, in NumPy). The ratio is
+   the method's time over the baseline's (how much the method's own work costs beyond
+   reading and averaging the task vectors).
 """
 
 from __future__ import annotations
@@ -107,10 +113,12 @@ def candidates(n: int, side: int, root: Path, rng: np.random.Generator) -> list:
     from capibara_exp.runtime import checkpoints
 
     cands = []
+    # Fine-tunes of one base (a soup of unrelated models is refused by the gate).
+    base = {k: rng.standard_normal((side, side), dtype=np.float32) for k in ("wi", "wo")}
     for i in range(n):
-        tree = {"target": {"wi": rng.standard_normal((side, side), dtype=np.float32),
-                           "wo": rng.standard_normal((side, side), dtype=np.float32),
-                           "scale": np.ones(side, np.float32)},
+        tree = {"target": {k: v + np.float32(0.01) * rng.standard_normal(v.shape,
+                                                                           dtype=np.float32)
+                           for k, v in base.items()} | {"scale": np.ones(side, np.float32)},
                 "state": {"step": np.asarray(10, np.int32)}}
         mgr = checkpoints.manager(root / f"c{i}")
         checkpoints.save(mgr, 10, tree)
@@ -190,6 +198,44 @@ def krum(rng: np.random.Generator) -> None:
         print(f"   N={n:3d}: {s * 1e3:8.1f} ms  ({n * small * 4 / 1e9 / s:5.2f} GB/s read)")
 
 
+def task_vector_methods(n: int, mb: int, reps: int, rng: np.random.Generator) -> None:
+    from capibara_exp.consensus import base_merges, interpolate
+    from capibara_exp.consensus.registry import MergeSpec
+
+    side = mb * (1 << 20) // 4 // 1024
+    base = rng.standard_normal((side, 1024), dtype=np.float32)
+    xs = [base + 0.01 * rng.standard_normal(base.shape, dtype=np.float32) for _ in range(n)]
+
+    def baseline() -> float:
+        t0 = time.perf_counter()
+        base + np.mean(np.stack([x - base for x in xs]), axis=0)
+        return time.perf_counter() - t0
+
+    names = [f"c{i}" for i in range(n)]
+    solved = {"names": names, "tv_weights": np.ones(n), "layer_position": {("w",): 0.5}}
+    reader = type("Reader", (), {"read": lambda self, c, p, i: base})()
+    runs = {"slerp (2)": lambda: interpolate.slerp(0.3, xs[0], xs[1]),
+            "model_stock": lambda: interpolate.model_stock(xs, base)}
+    for method in ("dare_ties", "dare_linear", "breadcrumbs", "della"):
+        spec = MergeSpec(method, density=0.5)
+        fn = base_merges.with_base(spec, solved, (reader, None, {("target", "w"): None}))
+        runs[method] = lambda fn=fn: fn(("target", "w"), xs)
+    print(f"4. task-vector and interpolating methods, {n} x {mb} MB leaves, vs NumPy task "
+          "arithmetic of the same leaves (ratio: time / baseline's, median over reps):")
+    for name, run in runs.items():
+        ratios, secs = [], []
+        for _ in range(reps):
+            before = baseline()
+            t0 = time.perf_counter()
+            run()
+            took = time.perf_counter() - t0
+            ratios.append(took / ((before + baseline()) / 2))
+            secs.append(took)
+        print(f"   {name:12s} {statistics.median(secs) * 1e3:8.0f} ms  "
+              f"{n * mb / 1e3 / statistics.median(secs):6.2f} GB/s read  "
+              f"x {spread(ratios)} the baseline")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=64, help="MB per candidate leaf")
@@ -197,13 +243,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--e2e-mb", type=int, default=128, help="MB per candidate checkpoint")
     ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--task-vectors-only", action="store_true",
+                    help="only part 4 (SLERP, Model Stock, DARE, Breadcrumbs, DELLA)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    if args.task_vectors_only:
+        task_vector_methods(args.n, min(args.mb, 16), args.reps, rng)
+        return
     ok = aggregation(args.n, args.mb, args.reps, rng)
     e2e = True
     if not args.no_e2e:
         e2e = end_to_end(args.n, args.e2e_mb, args.reps, rng)
     krum(rng)
+    task_vector_methods(args.n, min(args.mb, 16), args.reps, rng)
     print(f"goals: {'PASS' if ok else 'FAIL'} (aggregation on the merge path vs copy), "
           f"{'PASS' if e2e else 'FAIL'} (gated merges vs TensorStore's reads)")
 

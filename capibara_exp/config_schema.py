@@ -244,6 +244,10 @@ RULES: dict[str, Rule] = {
     "lora.quantize_block_size": Int(1, null=True),
     "lora.target_axes": ListOf(ListOf(Rule("str"))), "lora.target_modules": ListOf(Rule("str")),
     "monitor.memory_warn_fraction": Float(gt=0.0, le=1.0),
+    "wandb.wandb_name": Rule("str", null=True),
+    "wandb.wandb_mode": Choice("offline", "online", "disabled"),
+    "mlflow.mlflow_tracking_uri": Rule("str", null=True),
+    "mlflow.mlflow_run_name": Rule("str", null=True),
     "engine.max_restarts": Int(0), "engine.restart_backoff_s": Int(0),
     "engine.restart_backoff_max_s": Int(0),
     "consensus.template": Rule("str", null=True),
@@ -277,9 +281,22 @@ MERGE_RULES: dict[str, Rule] = {
     "gate.max_val_loss": Float(null=True), "gate.max_val_loss_ratio": Float(gt=0.0, null=True),
     "gate.max_distance_ratio": Float(gt=0.0, null=True),
     "gate.min_pass_fraction": Float(0.0, le=1.0),
+    "gate.max_relative_distance": Float(gt=0.0, null=True),
     "fedavg.num_clients": POSITIVE, "fedavg.rounds": POSITIVE, "fedavg.local_steps": POSITIVE,
     "fedavg.clip_norm": Float(gt=0.0, null=True), "fedavg.noise_multiplier": Float(0.0),
     "fedavg.target_delta": Float(gt=0.0, lt=1.0), "fedavg.seed": Int(0),
+    "fedavg.fraction_fit": Float(gt=0.0, le=1.0), "fedavg.min_fit_clients": POSITIVE,
+    "fedavg.initial_checkpoint": Rule("str", null=True), "fedavg.proximal_mu": Float(0.0),
+    "fedavg.aggregation": Choice("uniform", "median", "trimmed_mean", "krum", "multi_krum",
+                                 "geometric_median"),
+    "fedavg.num_byzantine": Int(0), "fedavg.num_selected": Int(1, null=True),
+    "fedavg.server_optimizer": Choice("fedadam", "fedyogi", "fedavgm", null=True),
+    "fedavg.eta": Float(0.0, null=True), "fedavg.beta_1": Float(0.0, null=True),
+    "fedavg.beta_2": Float(0.0, null=True), "fedavg.tau": Float(0.0, null=True),
+    "fedavg.server_learning_rate": Float(0.0, null=True),
+    "fedavg.server_momentum": Float(0.0, null=True),
+    "fedavg.target_epsilon": Float(gt=0.0, null=True), "fedavg.poisoned_clients": Int(0),
+    "fedavg.poison": Choice("sign_flip", "scaled", "noise"),
 }
 DATA_BUILD_RULES: dict[str, Rule] = {
     "data_dir": Rule("str"),
@@ -291,7 +308,16 @@ DATA_BUILD_RULES: dict[str, Rule] = {
     "splits.validation_percent": Int(0, le=100), "splits.test_percent": Int(0, le=100),
     "secret_scrubbing.min_recall": Float(0.0, le=1.0),
 }
-RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUILD_RULES}
+# capibara-exp-meta (conf/meta.yaml, conf/meta_consensus/; meta_consensus.py checks the rest)
+META_RULES: dict[str, Rule] = {
+    "out": Rule("str"), "meta_consensus.gate.threshold": Float(null=True),
+    "meta_consensus.gate.max_ratio": Float(1.0, null=True),
+    "meta_consensus.gate.min_pass_fraction": Float(0.0, le=1.0),
+    "meta_consensus.gate.mode": Choice("min", "max"),
+    "meta_consensus.merge.base": Rule("str", null=True),
+}
+RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUILD_RULES,
+                   "meta": META_RULES}
 
 
 def merge_method_rule() -> Rule:

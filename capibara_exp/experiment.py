@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp import environment, gin_bridge, phases
+from capibara_exp import environment, gin_actions, gin_bridge, phases
 from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.launch import distributed, peers, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
@@ -53,6 +53,8 @@ def write_gin(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
     path = run_dir / CONFIG_GIN
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    for note in gin_actions.notes(text):  # a user's actions binding joined, not replacing
+        say(note)
     if before_check:
         before_check()
     # The body is the same for every engine: check it against the local engine's

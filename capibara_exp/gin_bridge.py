@@ -17,12 +17,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp import gin_actions
 from capibara_exp.errors import ConfigError
 
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
 # Groups that are off (null) unless chosen; when chosen they work like the groups above.
 OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "router_supervision",
-                   "lora", "monitor", "consensus")
+                   "lora", "monitor", "consensus", "wandb", "mlflow")
 # Features T5X does not have: their templates bind the local engine's own names.
 LOCAL_ONLY_GROUPS = ("ema", "nan_guard", "curriculum", "router_supervision", "lora",
                      "monitor")
@@ -71,7 +72,6 @@ _REQUIRED_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*%gin\.REQUIRED\s*(#.
 _INCLUDE_RE = re.compile(r"""^include\s+(['"])(.+)\1\s*$""")
 _IMPORT_RE = re.compile(r"^(?:from\s+\S+\s+)?import\s+(\S+)(?:\s+as\s+(\w+))?\s*(?:#.*)?$")
 _REFERENCE_RE = re.compile(r"^(@[A-Za-z_][\w./]*(\(\))?|%[A-Za-z_][\w.]*)$")
-_ACTION_RE = re.compile(r"^((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)
 _ACTIONS_BINDING_RE = re.compile(r"^train_script\.train\.actions\s*=", re.M)
 _BINDING_KEY_RE = re.compile(r"^([\w.]+/)*[A-Za-z_][\w.]*\.[A-Za-z_]\w*$|^[A-Z_][A-Z0-9_]*$")
 
@@ -197,9 +197,20 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
     out.append("# ===== values from conf/ (fill the %gin.REQUIRED macros above)")
     for macro, (key, value) in values.items():
         out.append(f"{macro} = {to_gin_literal(value, key)}  # {key}")
-    out += _actions_binding(templates)
-    out += _gin_files(cfg)
+    out += _user_parts(cfg, templates)
+    return "\n".join(out) + "\n"
+
+
+def _user_parts(cfg: DictConfig, templates: list[Template]) -> list[str]:
+    """gin_files, gin_bindings and the one actions binding joining the templates' actions
+    with the user's (gin_actions.py)."""
+    _check_actions(templates)
+    out: list[str] = []
+    user_files = _gin_files(cfg)
+    for _, lines in user_files:
+        out += lines
     extra = OmegaConf.to_container(cfg.gin_bindings) if cfg.get("gin_bindings") else []
+    user_texts = [(where, "\n".join(lines)) for where, lines in user_files]
     if extra:
         out.append("\n# ===== gin_bindings (applied last)")
         for i, binding in enumerate(extra):
@@ -209,7 +220,17 @@ def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str]
                                   "'scope/name.param = value'")
             # The marker names the entry, for errors about this line (runtime/gin_utils.py).
             out += [f"{BINDING_MARK}{i}]: {key.strip()}", f"{key.strip()} = {value.strip()}"]
-    return "\n".join(out) + "\n"
+            user_texts.append((f"gin_bindings[{i}]", f"{key.strip()} = {value.strip()}"))
+    user_macros: dict[str, list[str]] = {}
+    for _, text in user_texts:
+        for mode, refs in gin_actions.template_actions(text).items():
+            user_macros.setdefault(mode, []).extend(refs)
+    binding = gin_actions.last_user_binding(user_texts)
+    joined = gin_actions.join(gin_actions.template_actions("\n".join(t.text for t in templates)),
+                              user_macros, binding)
+    # After the user's binding, which it must override; else before the user's lines, so a
+    # binding left open in gin_bindings ends the file (gin's error then says so).
+    return out + joined if binding else joined + out
 
 
 def find_gin_file(name: str, search_paths: list[str], where: str) -> Path:
@@ -223,17 +244,19 @@ def find_gin_file(name: str, search_paths: list[str], where: str) -> Path:
     raise ConfigError(f"{where}: gin file '{name}' not found (looked in {looked})")
 
 
-def _gin_files(cfg: DictConfig) -> list[str]:
+def _gin_files(cfg: DictConfig) -> list[tuple[str, list[str]]]:
     """gin_files (T5X's --gin_file), inlined in order after the rendered config: their
     includes inlined too, and their import lines for the header's names left to the
-    engine header (so a file written for T5X binds the local engine's modules too)."""
+    engine header (so a file written for T5X binds the local engine's modules too).
+    [(gin_files[i], its lines)]."""
     files = list(cfg.get("gin_files") or [])
     search = [str(p) for p in (cfg.get("gin_search_paths") or [])]
     out = []
     for i, name in enumerate(files):
         path = find_gin_file(str(name), search, f"gin_files[{i}]")
-        out.append(f"\n# ===== gin_files[{i}]: {path} (applied after the rendered config)")
-        out += _user_gin_lines(path, search, (str(path),))
+        out.append((f"gin_files[{i}] ({path})", [
+            f"\n# ===== gin_files[{i}]: {path} (applied after the rendered config)",
+            *_user_gin_lines(path, search, (str(path),))]))
     return out
 
 
@@ -259,24 +282,13 @@ def _user_gin_lines(path: Path, search: list[str], seen: tuple[str, ...]) -> lis
     return lines
 
 
-def _actions_binding(templates: list[Template]) -> list[str]:
-    """One `train_script.train.actions` binding joining the templates' actions.
-
-    gin keeps only the last binding of a parameter, so templates do not bind `actions`
-    themselves: each names its action `<MODE>_ACTION_<NAME> = @...` (MODE is TRAIN_EVAL,
-    TRAIN or INFER_EVAL, T5X's action modes) and the bridge lists them all here."""
-    by_mode: dict[str, list[str]] = {}
+def _check_actions(templates: list[Template]) -> None:
+    """Templates name their actions `<MODE>_ACTION_<NAME> = @...` (gin_actions.py joins
+    them, with the user's, into one `train_script.train.actions`); none binds it itself."""
     for t in templates:
-        for macro, mode in _ACTION_RE.findall(t.text):
-            by_mode.setdefault(mode, []).append(f"%{macro}")
         if _ACTIONS_BINDING_RE.search(t.text):
             raise ConfigError(f"gin/{t.name} binds train_script.train.actions itself; name its "
                               "action TRAIN_EVAL_ACTION_<NAME> = @... so actions can be joined")
-    if not by_mode:
-        return []
-    modes = ", ".join(f"'{mode}': [{', '.join(refs)}]" for mode, refs in by_mode.items())
-    return ["# ===== actions of the templates above, joined (T5X's modes)",
-            f"train_script.train.actions = {{{modes}}}"]
 
 
 def _add_macro(values: dict, key: str, value: object, source: str) -> None:

@@ -15,7 +15,9 @@ from capibara_exp.config_check import flatten
 from capibara_exp.paths import CONF_DIR
 from tests.conftest import EXPERIMENTS
 
-CONFIG_ROOTS = {"config.yaml": "config", "merge.yaml": "merge", "data_build.yaml": "data_build"}
+CONFIG_ROOTS = {"config.yaml": "config", "merge.yaml": "merge", "data_build.yaml": "data_build",
+                "meta.yaml": "meta"}
+GROUP_ROOTS = {"meta_consensus": "meta"}  # groups of another root than config.yaml
 
 
 def shipped_keys() -> dict[tuple[str, str], tuple[object, Path]]:
@@ -28,7 +30,7 @@ def shipped_keys() -> dict[tuple[str, str], tuple[object, Path]]:
         data = yaml.safe_load(path.read_text()) or {}
         data.pop("defaults", None)
         data.pop("hydra", None)
-        name = CONFIG_ROOTS.get(str(rel), "config")
+        name = CONFIG_ROOTS.get(str(rel), GROUP_ROOTS.get(rel.parts[0], "config"))
         if len(rel.parts) > 1 and "@package _global_" not in path.read_text():
             data = {rel.parts[0]: data}
         if len(rel.parts) > 1:  # a group's file defines its group's keys only
@@ -95,7 +97,9 @@ def test_merge_parameters_are_checked_by_the_registrys_own_checks() -> None:
     checks = registry.param_checks()
     cases = {"weights": ([1.0, 0.0], [1.0, float("inf")]), "num_byzantine": (2, -1),
              "num_selected": (None, 0), "scale": (-0.5, float("nan")), "density": (1.0, 0.0),
-             "learn_steps": (3, 0), "learn_rate": (0.1, 0.0), "per_layer": (False, "yes")}
+             "learn_steps": (3, 0), "learn_rate": (0.1, 0.0), "per_layer": (False, "yes"),
+             "gamma": (0.0, 1.0), "epsilon": (0.1, -0.1), "normalize": (None, "no"),
+             "rescale": (False, None), "seed": (3, -1), "t": ([0.0, 1.0], 1.5)}
     assert sorted(cases) == sorted(checks)  # a new parameter gets a case here
     for name, (good, bad) in cases.items():
         rule = config_schema.rule_for("merge", name, None)

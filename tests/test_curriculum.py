@@ -90,3 +90,88 @@ def test_resume_mid_stage_two_ends_with_the_uninterrupted_parameters(tmp_path: P
     assert leaves_equal(read_checkpoint(one_task, 2), read_checkpoint(straight, 2))
     assert not leaves_equal(read_checkpoint(one_task, 3)["target"],
                             read_checkpoint(straight, 3)["target"])
+
+
+SETTINGS = (
+    "curriculum.curriculum_stages=["
+    f"{{mixture_or_task_name: {tasks.BYTES_LM}, steps: 2, learning_rate: 0.02, "
+    "frozen: ['token_embedder/.*']}, "
+    f"{{mixture_or_task_name: {UPPER}, steps: 3, module: tests.test_curriculum, batch_size: 2, "
+    "learning_rate: 0.005, schedule: {warmup_steps: 2, restart: true}}]")
+WITH_SETTINGS = ["curriculum=staged", SETTINGS, "trainer.train_steps=5", "trainer.eval_period=5",
+                 "checkpoint.checkpoint_period=1", "checkpoint.checkpoints_to_keep=null",
+                 "schedule.warmup_steps=2"]
+
+
+def _records(model_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["split"] == "train"]
+
+
+@pytest.mark.slow
+def test_stages_have_their_own_learning_rate_batch_size_and_frozen_modules(
+        tmp_path: Path, data_dir) -> None:
+    from capibara_exp.runtime.config import create_learning_rate_scheduler
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run(straight, *WITH_SETTINGS)[0] == 5
+    emb = [read_checkpoint(straight, s)["target"]["token_embedder"] for s in (1, 2, 3)]
+    assert leaves_equal(emb[0], emb[1])  # frozen in stage 1
+    assert not leaves_equal(emb[1], emb[2])  # trains in stage 2
+    rest = [{k: v for k, v in read_checkpoint(straight, s)["target"].items()
+             if k != "token_embedder"} for s in (1, 2)]
+    assert not leaves_equal(*rest)  # the rest trains in stage 1
+    schedule = create_learning_rate_scheduler(  # conf/schedule/warmup_rsqrt.yaml's factors
+        factors="constant * linear_warmup * rsqrt_normalized_decay", base_learning_rate=1.0,
+        warmup_steps=2)
+    want = [float(schedule.at(0, base_learning_rate=0.02)),
+            float(schedule.at(1, base_learning_rate=0.02)),
+            float(schedule.at(2, base_learning_rate=0.005, step_offset=2.0)),
+            float(schedule.at(3, base_learning_rate=0.005, step_offset=2.0)),
+            float(schedule.at(4, base_learning_rate=0.005, step_offset=2.0))]
+    assert [r["learning_rate"] for r in _records(straight)] == pytest.approx(want[1:], rel=1e-6)
+    # Stage 2's batches have 2 rows (its batch size), stage 1's the run's 4.
+    tokens = [r["target_tokens"] for r in _records(straight)]
+    assert max(tokens[2:]) <= 2 * 64 < min(tokens[:1])
+
+    assert run(stopped, *WITH_SETTINGS, actions={"TRAIN_EVAL": [StopAt(3)]})[0] == 3
+    assert run(stopped, *WITH_SETTINGS)[0] == 5  # resumed mid-stage 2, with its settings
+    assert leaves_equal(read_checkpoint(stopped, 5), read_checkpoint(straight, 5))
+
+
+def test_stage_settings_are_checked() -> None:
+    for stage, message in (
+            ({"steps": 2, "batch_size": 0}, r"\[0\].batch_size must be an integer >= 1"),
+            ({"steps": 2, "learning_rate": -1.0}, r"\[0\].learning_rate must be a finite"),
+            ({"steps": 2, "schedule": {"warmup": 3}}, r"\[0\].schedule: warmup=3 is not one"),
+            ({"steps": 2, "mixture_rates": {"a": 0}}, r"\[0\].mixture_rates must map"),
+            ({"steps": 2, "frozen": ["("]}, r"\[0\].frozen: '\(' is not a regular")):
+        with pytest.raises(ValueError, match=message):
+            parse_stages([stage], 2)
+
+
+def test_easy_to_hard_stages_read_the_routing_data_by_difficulty(data_dir) -> None:
+    import dataclasses
+
+    from capibara_exp.data import routing_difficulty
+    from capibara_exp.runtime import curriculum
+    from capibara_exp.runtime.config import DatasetConfig
+
+    cfg = DatasetConfig(mixture_or_task_name="capibara_bytes_lm", task_feature_lengths={
+        "targets": 64}, split="train", batch_size=4, shuffle=False, seed=0)
+    stage = curriculum.Stage(routing_difficulty.MIXTURE, 2,
+                             module="capibara_exp.data.routing_difficulty",
+                             mixture_rates={"easy": 1.0, "medium": 1.0})
+    got = curriculum.stage_dataset(stage, cfg)
+    mixture = seqio.get_mixture_or_task(got.mixture_or_task_name)
+    assert sorted(t.name for t in mixture.tasks) == [
+        routing_difficulty.difficulty_task("easy"), routing_difficulty.difficulty_task("medium")]
+    for difficulty in ("easy", "hard"):
+        task = seqio.get_mixture_or_task(routing_difficulty.difficulty_task(difficulty))
+        seen = {ex["difficulty"].decode() for ex in task.get_dataset(
+            {"targets": 64}, split="validation", shuffle=False).take(20).as_numpy_iterator()}
+        assert seen == {difficulty}
+    with pytest.raises(ValueError, match="mixture_rates key 'expert' names no task"):
+        curriculum.stage_dataset(dataclasses.replace(stage, mixture_rates={"expert": 1.0}), cfg)

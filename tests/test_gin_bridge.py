@@ -277,4 +277,4 @@ def test_a_template_binding_actions_itself_is_an_error(tmp_path: Path) -> None:
         "train_script.train.actions = {'TRAIN_EVAL': []}\n")
     template = gin_bridge.load_template("runs/mine.gin", "trainer", tmp_path)
     with pytest.raises(ConfigError, match="gin/runs/mine.gin binds train_script.train.actions"):
-        gin_bridge._actions_binding([template])
+        gin_bridge._check_actions([template])

@@ -65,7 +65,8 @@ def test_two_step_training_writes_checkpoint_metrics_and_configs(tmp_path: Path,
     assert 1e7 < last["memory/host_rss_bytes"] <= last["memory/host_rss_peak_bytes"] \
         < last["memory/host_limit_bytes"]
     info = json.loads((tmp_path / "checkpoint_2" / "capibara_manifest.json").read_text())["info"]
-    assert info == {"step": 2, "kind": "final", "finite": True}
+    assert info == {"step": 2, "kind": "final", "finite": True, "lineage": [
+        {"id": info["lineage"][0]["id"], "from": "initialisation with seed 0"}]}
     assert (tmp_path / "config.gin").exists()
     operative = (tmp_path / "operative_config.gin").read_text()
     assert "EMB_DIM = 32" in operative and "nets.DecoderConfig.emb_dim = %EMB_DIM" in operative

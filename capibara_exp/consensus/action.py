@@ -75,7 +75,8 @@ class ConsensusMerge(ChecksumCheckpoints):
                  model: Any = None, eval_dataset_cfg: Any = None, eval_steps: int = 1,
                  report_steps: int | None = None, merge_params: Mapping[str, Any] | None = None,
                  min_pass_fraction: float = 0.5, max_val_loss: float | None = None,
-                 max_val_loss_ratio: float | None = 1.5, require_manifest: bool = True):
+                 max_val_loss_ratio: float | None = 1.5, require_manifest: bool = True,
+                 use_ema: bool = True):
         """`merge_params`: the method's parameters by name (consensus/registry.py's MergeSpec,
         e.g. {'num_byzantine': 1}); an unknown name or a bad value is an error here, before
         training starts."""
@@ -96,8 +97,13 @@ class ConsensusMerge(ChecksumCheckpoints):
         self.model, self.eval_dataset_cfg = model, eval_dataset_cfg
         self.eval_steps = max(eval_steps, 1)
         self.report_steps = self.eval_steps if report_steps is None else report_steps
+        self.use_ema = use_ema  # an EMA run merges its EMA weights (False: the raw ones)
         self.fired_at: int | None = None
         self.report: dict | None = None
+        self.events: Any = None  # the local engine's events (runtime/events.py): `merge`
+
+    def bind_events(self, events: Any) -> None:
+        self.events = events
 
     def run(self, train_state: Any, metrics_by_task: Mapping[str, Any]) -> bool:
         super().run(train_state, metrics_by_task)  # the final checkpoint gets its manifest too
@@ -113,9 +119,11 @@ class ConsensusMerge(ChecksumCheckpoints):
         if self.model is not None and self.eval_dataset_cfg is not None:
             evaluator, report_evaluator = held_out(self.model, self.eval_dataset_cfg,
                                                    self.eval_steps, self.report_steps)
-        candidates = store.last_k(self.model_dir, self.last_k)
+        candidates = store.last_k(self.model_dir, self.last_k, self.use_ema)
         self.report = merge(candidates, self.spec, self.model_dir / MERGED_SUBDIR, evaluator,
                             self.gate, report_evaluator=report_evaluator)
         for line in report.warning_lines(self.report):
             print(f"capibara-exp consensus merge: {line}", file=sys.stderr)
+        if self.events is not None:
+            self.events.emit("merge", report=self.report)
         return False  # merging never stops training; it runs after the final step anyway

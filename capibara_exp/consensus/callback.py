@@ -24,7 +24,8 @@ def trial_dirs(sweep_dir: Path) -> list[Path]:
 
 def soup_sweep(sweep_dir: str | Path, method: str = "greedy_soup", num_byzantine: int = 0,
                min_pass_fraction: float = 0.5, max_val_loss_ratio: float | None = 1.5,
-               require_manifest: bool = True, report_batches: int | None = None) -> dict:
+               require_manifest: bool = True, report_batches: int | None = None,
+               use_ema: bool = True) -> dict:
     """Merge the latest checkpoint of every trial of a sweep dir; returns the merge report."""
     from capibara_exp.consensus import evaluate, run, store
     from capibara_exp.consensus.gate import GateConfig
@@ -34,7 +35,8 @@ def soup_sweep(sweep_dir: str | Path, method: str = "greedy_soup", num_byzantine
     trials = trial_dirs(sweep_dir)
     if not trials:
         raise FileNotFoundError(f"{sweep_dir}: no trial dir with finished checkpoints to soup")
-    candidates = [store.candidate_from_path(d, name=f"trial {d.name}") for d in trials]
+    candidates = [store.candidate_from_path(d, name=f"trial {d.name}", use_ema=use_ema)
+                  for d in trials]
     evaluator, report_evaluator = evaluate.from_parts(
         run.load_parts(run.find_config_gin(trials[0])), report_batches=report_batches)
     gate = GateConfig(require_manifest=require_manifest, max_val_loss_ratio=max_val_loss_ratio,

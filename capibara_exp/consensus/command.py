@@ -71,11 +71,11 @@ def run_merge(cfg: DictConfig) -> dict:
         if len(runs) != 1:
             raise ValueError(f"last_k={cfg.last_k} merges one run's checkpoints; "
                              f"runs has {len(runs)}")
-        candidates = store.last_k(runs[0], int(cfg.last_k))
+        candidates = store.last_k(runs[0], int(cfg.last_k), bool(cfg.use_ema))
         if not candidates:
             raise FileNotFoundError(f"{runs[0]}: no finished checkpoint to merge (last_k)")
     else:
-        candidates = [store.candidate_from_path(r) for r in runs]
+        candidates = [store.candidate_from_path(r, use_ema=bool(cfg.use_ema)) for r in runs]
     evaluator, report_evaluator = _evaluators(cfg, candidates[0].step_dir,
                                               evaluation_needs(spec, gate))
     base = store.candidate_from_path(cfg.base) if cfg.base else None
@@ -108,7 +108,8 @@ def console_lines(rep: dict) -> list[str]:
 
 def summary(rep: dict) -> str:
     if "rounds" in rep:  # FedAvg
-        eps = f", epsilon {rep['epsilon']:.3g} at delta {rep['delta']}" if rep["epsilon"] else ""
+        eps = (f", noise multiplier {rep['noise_multiplier']:.4g}: epsilon {rep['epsilon']:.3g} "
+               f"at delta {rep['delta']}" if rep["epsilon"] else "")
         return (f"{rep['checkpoint']} after {len(rep['rounds'])} rounds (val loss "
                 f"{_num(rep['rounds'][-1]['val_loss'])}{eps})")
     loss = rep["held_out_loss"] or rep["val_loss"]

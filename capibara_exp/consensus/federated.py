@@ -1,21 +1,27 @@
-"""Federated consensus: FedAvg rounds over client shards of a task, optionally with DP.
+"""Federated rounds over client shards of a task, as Flower users know them.
 
-Clients are simulated in one process. Each round every client starts from the global
-parameters, takes a few local steps of the run's own trainer on its shard of the task
-(seqio.ShardInfo), and sends back its parameter delta. Clients keep no optimizer state
-between rounds (fresh moments each round), while the learning-rate schedule follows the
-global step, so warm-up and decay advance round by round. With DP, each delta is clipped to
-`clip_norm` and the average gets Gaussian noise of std noise_multiplier * clip_norm /
-num_clients (DP-FedAvg, McMahan et al. 2018); epsilon comes from dp-accounting's RDP
-accountant.
+Clients are simulated in one process. Each round samples clients (Flower's fraction_fit
+and min_fit_clients); each starts from the global parameters, takes a few local steps of
+the run's own trainer on its shard of the task (seqio.ShardInfo), optionally with
+FedProx's proximal term (consensus/fedprox.py), and sends back its parameter update. The
+server aggregates the updates with a registry method (FedAvg's mean, or the median,
+trimmed mean, Krum, ... against Byzantine clients) and applies them directly or through a
+server optimiser (FedAdam, FedYogi, FedAvgM; consensus/fedopt.py). Rounds start from the
+model's initialisation or from a checkpoint (Flower's initial_parameters). Clients keep no
+optimizer state between rounds (fresh moments each round), while the learning-rate
+schedule follows the global step, so warm-up and decay advance round by round.
+
+With DP (DP-FedAvg, McMahan et al. 2018), each update is clipped to `clip_norm` and the
+mean gets Gaussian noise of std noise_multiplier x clip_norm / clients per round; the
+noise multiplier is given, or solved for a target epsilon (consensus/dp.py). A round
+whose noise is larger than the update it hides is reported, and warned about.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,43 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from capibara_exp.consensus import dp, fedopt
+from capibara_exp.consensus.fedconfig import FedConfig
 from capibara_exp.consensus.run import RunParts
 from capibara_exp.runtime.trainer import TrainState
 
 REPORT = "fedavg_report.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class FedConfig:
-    num_clients: int = 4
-    rounds: int = 3
-    local_steps: int = 2
-    clip_norm: float | None = None        # DP: per-client L2 clip of the delta
-    noise_multiplier: float = 0.0         # DP: noise std / clip_norm (on the sum)
-    target_delta: float = 1e-5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        def whole(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def real(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        for name in ("num_clients", "rounds", "local_steps"):
-            if not (whole(getattr(self, name)) and getattr(self, name) >= 1):
-                raise ValueError(f"fedavg.{name} must be an integer >= 1, got "
-                                 f"{getattr(self, name)!r}")
-        if self.clip_norm is not None and not (real(self.clip_norm) and self.clip_norm > 0):
-            raise ValueError(f"fedavg.clip_norm must be a finite number > 0 or null, got "
-                             f"{self.clip_norm!r}")
-        if not (real(self.noise_multiplier) and self.noise_multiplier >= 0):
-            raise ValueError(f"fedavg.noise_multiplier must be a finite number >= 0, got "
-                             f"{self.noise_multiplier!r}")
-        if not (real(self.target_delta) and 0 < self.target_delta < 1):
-            raise ValueError(f"fedavg.target_delta must be in (0, 1), got {self.target_delta!r}")
-        if not whole(self.seed):
-            raise ValueError(f"fedavg.seed must be an integer, got {self.seed!r}")
+__all__ = ["FedConfig", "fedavg"]
 
 
 def client_batches(parts: RunParts, client: int, num_clients: int) -> Iterator[dict]:
@@ -80,15 +56,22 @@ def client_batches(parts: RunParts, client: int, num_clients: int) -> Iterator[d
     return ds.batch(cfg.batch_size, drop_remainder=True).as_numpy_iterator()
 
 
-def build_trainer(parts: RunParts, seed: int) -> tuple[Any, TrainState]:
-    """The run's trainer (compiled once) and its initial state."""
+def build_trainer(parts: RunParts, seed: int, proximal_mu: float = 0.0
+                  ) -> tuple[Any, TrainState]:
+    """The run's trainer (compiled once) and its initial state; with proximal_mu > 0 the
+    model carries FedProx's term (its anchor: `trainer.model.anchor`)."""
+    from capibara_exp.consensus.fedprox import ProxModel
     from capibara_exp.runtime.state import initial_state, make_trainer
 
     cfg = parts.train_dataset_cfg
     length = max(cfg.task_feature_lengths.values())
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     state, axes = initial_state(parts.model, init_rng, cfg.batch_size, length)
-    trainer = make_trainer(parts.trainer_cls, parts.model, parts.partitioner, state, axes,
+    model = parts.model
+    if proximal_mu > 0:
+        model = ProxModel(model, proximal_mu, jax.eval_shape(lambda: state.params), axes.params)
+        model.anchor = state.params
+    trainer = make_trainer(parts.trainer_cls, model, parts.partitioner, state, axes,
                            dropout_rng, cfg.batch_size, None, **parts.trainer_features)
     return trainer, trainer.prepare_state(state)
 
@@ -126,99 +109,174 @@ def clip(delta: Any, clip_norm: float) -> Any:
     return jax.tree.map(lambda d: d * jnp.minimum(1.0, clip_norm / (norm + 1e-12)), delta)
 
 
-# The round's arithmetic, one compiled program each (op by op, every leaf shape of every
-# tree operation compiled on its own: about a hundred compiles for a tiny model).
-@jax.jit
-def _zeros(tree: Any) -> Any:
-    return jax.tree.map(jnp.zeros_like, tree)
-
-
 @jax.jit
 def _fresh_copy(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)  # the train step donates its input
 
 
-@functools.partial(jax.jit, static_argnames=("clip_norm",))
-def _add_client(total: Any, local: Any, start: Any, clip_norm: float | None) -> Any:
-    delta = jax.tree.map(jnp.subtract, local, start)
-    if clip_norm is not None:
-        delta = clip(delta, clip_norm)
-    return jax.tree.map(jnp.add, total, delta)
+def _norm(tree: Any) -> float:
+    return float(np.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64)))
+                             for x in jax.tree.leaves(tree))))
 
 
-@jax.jit
-def _apply_mean(params: Any, total: Any, noise: Any, num_clients: int) -> tuple[Any, Any]:
-    """(params + the mean client update with its noise, that update's L2 norm)."""
-    mean = jax.tree.map(lambda t, z: t / num_clients + z, total, noise)
-    return jax.tree.map(jnp.add, params, mean), optax.tree.norm(mean)
+def _poisoned(update: Any, kind: str, rng: np.random.Generator) -> Any:
+    """A simulated Byzantine client's update."""
+    if kind == "sign_flip":
+        return jax.tree.map(lambda d: -10.0 * d, update)
+    if kind == "scaled":
+        return jax.tree.map(lambda d: 100.0 * d, update)
+    return jax.tree.map(lambda d: rng.normal(0.0, 1.0, d.shape).astype(d.dtype), update)
 
 
-def epsilon(cfg: FedConfig) -> float | None:
-    """(epsilon, target_delta)-DP of the rounds by RDP accounting (every client every round)."""
-    if cfg.clip_norm is None or cfg.noise_multiplier <= 0:
-        return None
-    import dp_accounting
+def initial_parameters(cfg: FedConfig, state: TrainState) -> tuple[TrainState, list[dict]]:
+    """The state the rounds start from: the model's initialisation, or the parameters (EMA
+    weights for an EMA run) and step of `cfg.initial_checkpoint`; and their lineage."""
+    from capibara_exp.consensus import store
+    from capibara_exp.runtime import lineage
 
-    accountant = dp_accounting.rdp.RdpAccountant()
-    accountant.compose(dp_accounting.GaussianDpEvent(cfg.noise_multiplier), cfg.rounds)
-    return float(accountant.get_epsilon(cfg.target_delta))
+    if cfg.initial_checkpoint is None:
+        return state, [lineage.init_ancestor(cfg.seed, state.params)]
+    cand = store.candidate_from_path(cfg.initial_checkpoint, name="initial_checkpoint")
+    with store.LeafReader() as reader:
+        params = reader.read_subtree(cand, store.leaf_index(cand), ("target",))
+    want = jax.tree.structure(state.params)
+    if jax.tree.structure(params) != want or any(
+            np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(params),
+                                                       jax.tree.leaves(state.params),
+                                                       strict=True)):
+        raise ValueError(f"fedavg.initial_checkpoint: {cand.step_dir} was written by another "
+                         "model (its parameters' tree differs from the run's)")
+    params = jax.device_put(jax.tree.map(lambda p, s: np.asarray(p, s.dtype), params,
+                                         state.params), jax.tree.map(lambda x: x.sharding,
+                                                                     state.params))
+    step = jnp.asarray(cand.step, jnp.asarray(state.step).dtype)
+    return state.replace(params=params, step=step), lineage.descended_from(cand.step_dir)
+
+
+def _noise_multiplier(cfg: FedConfig) -> float:
+    if cfg.clip_norm is None:
+        return 0.0
+    if cfg.target_epsilon is not None:
+        return dp.noise_for_epsilon(cfg.target_epsilon, cfg.clients_per_round / cfg.num_clients,
+                                    cfg.rounds, cfg.target_delta)
+    return cfg.noise_multiplier
+
+
+def _client_updates(ctx: dict, round_start: TrainState, clients: list[int]) -> list[Any]:
+    """Each sampled client's update (host arrays), clipped under DP; poisoned ones swapped."""
+    cfg, trainer = ctx["cfg"], ctx["trainer"]
+    updates = []
+    start = jax.device_get(round_start.params)
+    for c in clients:
+        local = local_steps(trainer, _fresh_copy(round_start), ctx["streams"][c], cfg.local_steps)
+        update = jax.tree.map(lambda a, b: np.asarray(a, np.float32) - np.asarray(b, np.float32),
+                              jax.device_get(local.params), start)
+        if c < cfg.poisoned_clients:
+            update = _poisoned(update, cfg.poison, ctx["rng"])
+        if cfg.clip_norm is not None:
+            update = jax.device_get(clip(update, cfg.clip_norm))
+        updates.append(update)
+    return updates
+
+
+def _round(ctx: dict, state: TrainState, r: int) -> tuple[TrainState, dict]:
+    cfg, trainer = ctx["cfg"], ctx["trainer"]
+    step = int(jax.device_get(state.step))
+    round_start = state.replace(opt_state=with_schedule_count(ctx["fresh_opt"], step))
+    if cfg.proximal_mu > 0:  # FedProx: the clients' anchor is this round's global model
+        trainer.model.anchor = state.params
+        trainer.reload_frozen()
+    clients = fedopt.sample_clients(ctx["rng"], cfg.num_clients, cfg.clients_per_round)
+    updates = _client_updates(ctx, round_start, clients)
+    update, weights = fedopt.aggregate(ctx["spec"], updates)
+    std = ctx["noise_multiplier"] * (cfg.clip_norm or 0.0) / len(clients)
+    noise = jax.tree.map(lambda u: (std * ctx["rng"].standard_normal(u.shape)).astype(u.dtype),
+                         update)
+    signal_norm, noise_norm = _norm(update), _norm(noise) if std else 0.0
+    current = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(state.params))
+    new = fedopt.server_step(cfg.server_optimizer, cfg.server_hyperparams(), ctx["server"],
+                             current, jax.tree.map(np.add, update, noise), r + 1)
+    new = jax.device_put(jax.tree.map(lambda n, p: np.asarray(n, p.dtype), new, state.params),
+                         jax.tree.map(lambda x: x.sharding, state.params))
+    end = step + cfg.local_steps
+    state = state.replace(params=new, step=jnp.asarray(end, jnp.asarray(state.step).dtype),
+                          opt_state=with_schedule_count(ctx["fresh_opt"], end))
+    return state, {"round": r + 1, "first_step": step, "clients": clients,
+                   "learning_rate": float(trainer.learning_rate_fn(step)),
+                   "update_norm": signal_norm, "noise_norm": noise_norm,
+                   "client_weights": None if weights is None else [float(w) for w in weights],
+                   "val_loss": ctx["evaluator"].loss(new) if ctx["evaluator"] else None}
+
+
+def drowning_warnings(history: list[dict], start_loss: float | None) -> list[str]:
+    """Rounds whose DP noise was larger than the aggregated update it was added to."""
+    drowned = [h for h in history if h["noise_norm"] > h["update_norm"] > 0 or
+               (h["noise_norm"] > 0 and h["update_norm"] == 0)]
+    if not drowned:
+        return []
+    worst = max(drowned, key=lambda h: h["noise_norm"] / max(h["update_norm"], 1e-30))
+    losses = [h["val_loss"] for h in history if h["val_loss"] is not None]
+    trend = (f"; validation loss {start_loss:.4g} -> {losses[-1]:.4g}"
+             if start_loss is not None and losses else "")
+    return [f"warning: the DP noise drowns the update in {len(drowned)} of {len(history)} "
+            f"rounds (round {worst['round']}: noise norm {worst['noise_norm']:.3g} vs update "
+            f"norm {worst['update_norm']:.3g}){trend}: raise fedavg.clip_norm, sample more "
+            "clients per round or allow a larger epsilon"]
 
 
 def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None,
            out_dir: str | Path | None = None) -> tuple[TrainState, dict]:
-    """Run FedAvg; returns the global state and a report (per round: the schedule's learning
-    rate at its first local step, the norm of the global update, the validation loss; and
-    epsilon).
+    """Run the rounds; returns the global state and a report (per round: the clients
+    sampled, the schedule's learning rate at its first local step, the norms of the
+    aggregated update and of the DP noise, the validation loss; the noise multiplier and
+    epsilon; warnings). With out_dir, the global state is written there as a T5X-layout
+    checkpoint (with its manifest and lineage) beside fedavg_report.json."""
+    from capibara_exp.consensus.registry import MergeSpec
 
-    With out_dir, the global state is written there as a T5X-layout checkpoint (with its
-    manifest) beside fedavg_report.json.
-    """
-    trainer, global_state = build_trainer(parts, cfg.seed)
-    fresh_opt_state = global_state.opt_state  # the moments every round starts from
-    streams = [client_batches(parts, c, cfg.num_clients) for c in range(cfg.num_clients)]
-    rng = np.random.default_rng(cfg.seed)
+    spec = MergeSpec(cfg.aggregation, num_byzantine=cfg.num_byzantine,
+                     num_selected=cfg.num_selected)
+    spec.check_candidates(cfg.clients_per_round, "clients per round")
+    z = _noise_multiplier(cfg)
+    trainer, state = build_trainer(parts, cfg.seed, cfg.proximal_mu)
+    state, ancestors = initial_parameters(cfg, state)
+    ctx = {"cfg": cfg, "trainer": trainer, "spec": spec, "noise_multiplier": z,
+           "fresh_opt": state.opt_state, "rng": np.random.default_rng(cfg.seed),
+           "server": fedopt.ServerState(), "evaluator": evaluator,
+           "streams": [client_batches(parts, c, cfg.num_clients) for c in range(cfg.num_clients)]}
+    start_loss = evaluator.loss(state.params) if evaluator is not None else None
     history = []
     for r in range(cfg.rounds):
-        step = int(jax.device_get(global_state.step))
-        round_start = global_state.replace(opt_state=with_schedule_count(fresh_opt_state, step))
-        total = _zeros(global_state.params)
-        for c in range(cfg.num_clients):
-            local = local_steps(trainer, _fresh_copy(round_start), streams[c], cfg.local_steps)
-            total = _add_client(total, local.params, global_state.params, cfg.clip_norm)
-        std = 0.0
-        if cfg.clip_norm is not None and cfg.noise_multiplier > 0:
-            std = cfg.noise_multiplier * cfg.clip_norm / cfg.num_clients
-        noise = jax.tree.map(lambda m, std=std: np.asarray(
-            std * rng.standard_normal(m.shape) if std else np.zeros(m.shape), m.dtype), total)
-        params, update_norm = _apply_mean(global_state.params, total, noise, cfg.num_clients)
-        end = step + cfg.local_steps
-        global_state = global_state.replace(
-            params=params, step=jnp.asarray(end, jnp.asarray(global_state.step).dtype),
-            opt_state=with_schedule_count(fresh_opt_state, end))
-        history.append({"round": r + 1, "first_step": step,
-                        "learning_rate": float(trainer.learning_rate_fn(step)),
-                        "update_norm": float(update_norm),
-                        "val_loss": evaluator.loss(params) if evaluator is not None else None})
-    eps = epsilon(cfg)
-    report = {"rounds": history, "epsilon": eps,
+        state, record = _round(ctx, state, r)
+        history.append(record)
+    q = cfg.clients_per_round / cfg.num_clients
+    eps = dp.epsilon(z, q, cfg.rounds, cfg.target_delta) if z > 0 else None
+    report = {"rounds": history, "start_val_loss": start_loss, "noise_multiplier": z or None,
+              "sampling_rate": q, "epsilon": eps,
               "delta": cfg.target_delta if eps is not None else None,
+              "warnings": drowning_warnings(history, start_loss),
               "config": dataclasses.asdict(cfg)}
+    for line in report["warnings"]:
+        print(f"capibara-exp fedavg: {line}", file=sys.stderr)
+    _write(state, report, ancestors, out_dir)
+    return state, report
+
+
+def _write(state: TrainState, report: dict, ancestors: list[dict], out_dir: Any) -> None:
     from capibara_exp.runtime import checkpoints
 
-    if not checkpoints.all_finite(global_state.state_dict()):
-        where = ", ".join(checkpoints.nonfinite_paths(global_state.state_dict()))
-        raise ValueError(f"fedavg: the global state holds NaN/Inf after {cfg.rounds} rounds (in "
-                         f"{where}); nothing written: lower the run's learning rate or set "
-                         "fedavg.clip_norm")
-    if out_dir is not None:
-
-        out_dir = Path(out_dir).absolute()
-        mgr = checkpoints.manager(out_dir)
-        try:
-            step = int(jax.device_get(global_state.step))
-            checkpoints.save(mgr, step, global_state.state_dict(), kind="fedavg")
-        finally:
-            mgr.close()
-        report["checkpoint"] = str(out_dir / f"{checkpoints.STEP_PREFIX}_{step}")
-        (out_dir / REPORT).write_text(json.dumps(report, indent=1))
-    return global_state, report
+    tree = state.state_dict()
+    if not checkpoints.all_finite(tree):
+        raise ValueError(f"fedavg: the global state holds NaN/Inf after {len(report['rounds'])} "
+                         f"rounds (in {', '.join(checkpoints.nonfinite_paths(tree))}); nothing "
+                         "written: lower the run's learning rate or set fedavg.clip_norm")
+    if out_dir is None:
+        return
+    out_dir = Path(out_dir).absolute()
+    mgr = checkpoints.manager(out_dir)
+    try:
+        step = int(jax.device_get(state.step))
+        checkpoints.save(mgr, step, tree, kind="fedavg", lineage=ancestors)
+    finally:
+        mgr.close()
+    report["checkpoint"] = str(out_dir / f"{checkpoints.STEP_PREFIX}_{step}")
+    (out_dir / REPORT).write_text(json.dumps(report, indent=1))

@@ -46,6 +46,11 @@ class GateConfig:
     # median such distance (a sign-flipped near-init model can score a normal loss).
     max_distance_ratio: float | None = 4.0
     min_pass_fraction: float = 0.5      # consensus: this share of candidates must pass
+    # Soups need fine-tunes of one model (consensus/ancestry.py): candidates must share an
+    # ancestor in their manifests' lineage or, without one, lie within this distance of
+    # each other relative to their size (independent initialisations: about 1.41).
+    require_shared_ancestor: bool = True
+    max_relative_distance: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.max_val_loss is not None and not (
@@ -54,6 +59,10 @@ class GateConfig:
                              f"{self.max_val_loss!r}")
         _ratio("max_val_loss_ratio", self.max_val_loss_ratio)
         _ratio("max_distance_ratio", self.max_distance_ratio)
+        _ratio("max_relative_distance", self.max_relative_distance)
+        if not isinstance(self.require_shared_ancestor, bool):
+            raise ValueError(f"gate.require_shared_ancestor must be true or false, got "
+                             f"{self.require_shared_ancestor!r}")
         if not (isinstance(self.min_pass_fraction, (int, float))
                 and 0.0 <= self.min_pass_fraction <= 1.0):
             raise ValueError(f"gate.min_pass_fraction must be in [0, 1], got "
@@ -78,6 +87,8 @@ class GateResult:
     held_out_loss: dict[str, float]     # on the report batches, never used to choose
     gram: np.ndarray | None = None      # the accepted candidates' Gram matrix (Krum, ...)
     pending: dict[str, Future] = dataclasses.field(default_factory=dict)  # digests in flight
+    no_lineage: list[str] = dataclasses.field(default_factory=list)  # vouched for by distance
+    spread: Any = None                  # ancestry.Spread of the sound pass, when measured
 
     def reject(self, candidate: Candidate, why: str) -> None:
         self.rejected.setdefault(candidate.name, why)
@@ -205,11 +216,12 @@ class Observer:
     """The gate's look at the leaves a streaming pass reads: NaN/Inf per candidate (every
     float leaf) and squared distances to the coordinate-wise median (parameters)."""
 
-    def __init__(self, pool: list[Candidate], cfg: GateConfig):
+    def __init__(self, pool: list[Candidate], cfg: GateConfig, spread: Any = None):
         from capibara_exp.consensus import methods
 
         self._median, self._finite = methods.median, methods.all_finite
-        self._sq_distances = methods.sq_distances_to
+        self._sq_distances, self._gram = methods.sq_distances_to, methods.gram_update
+        self.spread = spread  # ancestry.Spread to accumulate, or None
         self.pool = pool
         self.check_finite = cfg.check_finite
         self.ratio = cfg.max_distance_ratio if len(pool) >= 3 else None
@@ -226,6 +238,9 @@ class Observer:
                     self.bad[i] = "non-finite values in " + ".".join(path)
         if self.ratio is not None and floating and path[:1] == TARGET and not self.bad:
             self.dist_sq += self._sq_distances(leaves, self._median(leaves))
+        if self.spread is not None and floating and path[:1] == TARGET and not self.bad:
+            self._gram(self.spread.gram, leaves)
+            self.spread.norm_sq += self._sq_distances(leaves, np.zeros_like(leaves[0]))
 
     def unreadable(self, i: int, err: BaseException) -> None:
         self.bad.setdefault(i, f"unreadable ({type(err).__name__}: {str(err)[:200]})")
@@ -247,10 +262,14 @@ def until_sound(candidates: list[Candidate], gate: GateResult, cfg: GateConfig,
     candidates once) until one rejects nobody; returns that pass's result. Digest checks
     are joined after the first; distances to the median are measured among the candidates
     that are sound, once."""
+    from capibara_exp.consensus.ancestry import Spread
+
     gate_cfg = cfg
     while True:
         enforce(candidates, gate, cfg)
-        observer = Observer(gate.accepted, gate_cfg)
+        n = len(gate.accepted)
+        spread = Spread(np.zeros((n, n)), np.zeros(n)) if gate.no_lineage else None
+        observer = Observer(gate.accepted, gate_cfg, spread)
         result = run_pass(observer)
         pool = list(gate.accepted)
         digests_failed = settle_digests(gate)
@@ -264,6 +283,7 @@ def until_sound(candidates: list[Candidate], gate: GateResult, cfg: GateConfig,
         gate_cfg = dataclasses.replace(cfg, max_distance_ratio=None)
         if not outliers:
             enforce(candidates, gate, cfg)
+            gate.spread = spread
             return result
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from capibara_exp.consensus import ancestry, methods, report
 from capibara_exp.consensus import gate as gating
-from capibara_exp.consensus import methods, report
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, GateResult, Observer
 from capibara_exp.consensus.registry import METHODS, MergeSpec, Solve
 from capibara_exp.consensus.store import Candidate, LeafReader, leaf_index, unflatten, write
@@ -110,8 +110,11 @@ def _gated_merge(gate: GateResult, candidates: list[Candidate], spec: MergeSpec,
 
     flat = gating.until_sound(candidates, gate, cfg, gate_pass)
     _check_passed(gate, spec)
+    if gate.spread is not None:
+        solved["nearest_relative_distance"] = ancestry.check_spread(
+            gate.accepted, gate.no_lineage, gate.spread, spec, cfg)
     if flat is None:
-        solved = method.solve(solve) if method.solve else {}
+        solved.update(method.solve(solve) if method.solve else {})
         fn = method.leaf(spec, solved, solve.base) if method.leaf else None
         flat = _stream(gate, solve.reader, None, solved, fn)
     return flat, solved
@@ -165,6 +168,7 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
     out_dir = Path(out_dir).absolute()
     with LeafReader(mesh) as reader, gating.digest_pool(len(candidates)) as pool:
         gate = gating.precheck(candidates, gate_cfg, pool)
+        gate.no_lineage = [c.name for c in ancestry.check_lineage(gate.accepted, spec, gate_cfg)]
         gating.score(gate, reader, evaluator, report_evaluator, gate_cfg)
         base_reader = _base_reader(base, reader, gate) if base is not None else None
         flat, solved = _gated_merge(gate, candidates, spec, gate_cfg, Solve(
@@ -175,13 +179,23 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
         merged_loss = evaluator.loss(params) if evaluator else None
         merged_held_out = report_evaluator.loss(params) if report_evaluator else None
         del params
-        ckpt = write(out_dir, step, flat)
+        ckpt = write(out_dir, step, _with_ema_copy(flat, gate),
+                     lineage=ancestry.shared_ancestors(gate.accepted))
     rep = report.build(candidates, spec, gate, solved, (merged_loss, merged_held_out), ckpt,
                        time.perf_counter() - t0)
     (out_dir / REPORT).write_text(json.dumps(rep, indent=1))
     if evaluator is not None:
         report.plot(rep, out_dir / PLOT)
     return rep
+
+
+def _with_ema_copy(flat: dict, gate: GateResult) -> dict:
+    """Merged EMA runs give a checkpoint an EMA run resumes from: its EMA weights start at
+    the merged ones."""
+    if not all(c.params_item == "ema_target" for c in gate.accepted):
+        return flat
+    return flat | {("ema_target", *p[1:]): np.array(v) for p, v in flat.items()
+                   if p[:1] == TARGET}
 
 
 def _base_reader(base: Candidate, reader: LeafReader, gate: GateResult) -> tuple:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from capibara_exp.consensus.base_merges import slerp_leaf, solve_pool, with_base
+
 
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -35,6 +37,18 @@ def _weights_ok(w: Any) -> str | None:
     if any(x < 0 for x in w) or sum(w) <= 0:
         return f"must be a list of numbers >= 0 with a positive sum, got {list(w)!r}"
     return None
+
+
+def _t_ok(t: Any) -> str | None:
+    values = [t] if _real(t) else list(t) if isinstance(t, (list, tuple)) and t else None
+    if values is None or not all(_real(x) and 0 <= x <= 1 for x in values):
+        return f"must be a number in [0, 1] or a non-empty list of them (one per layer " \
+               f"anchor), got {t!r}"
+    return None
+
+
+def _optional_bool(b: Any) -> str | None:
+    return None if b is None or isinstance(b, bool) else f"must be true, false or null, got {b!r}"
 
 
 def _param(default: Any, help: str, check: Callable[[Any], str | None]) -> Any:
@@ -60,8 +74,27 @@ class MergeSpec:
     scale: float = _param(1.0, "lambda on the summed task vectors: finite",
                           lambda s: None if _real(s) else f"must be a finite number, got {s!r}")
     density: float = _param(
-        0.2, "share of each whole task vector kept: in (0, 1]",
+        0.2, "share kept: of each whole task vector (ties), of each leaf (breadcrumbs), the "
+        "keep probability (dare, della: its mean): in (0, 1]",
         lambda d: None if _real(d) and 0 < d <= 1 else f"must be in (0, 1], got {d!r}")
+    gamma: float = _param(
+        0.01, "breadcrumbs: share of each leaf's largest magnitudes dropped: in [0, 1)",
+        lambda g: None if _real(g) and 0 <= g < 1 else f"must be in [0, 1), got {g!r}")
+    epsilon: float = _param(
+        0.15, "della: keep probabilities span density -/+ epsilon by magnitude rank; both ends "
+        "in (0, 1)", lambda e: None if _real(e) and e >= 0 else f"must be a number >= 0, got {e!r}")
+    normalize: bool | None = _param(
+        None, "divide the summed task vectors by the weight that took part (null: the "
+        "method's default, mergekit's: true for della)", _optional_bool)
+    rescale: bool = _param(
+        True, "dare, della: divide the kept entries by their keep probability",
+        lambda b: None if isinstance(b, bool) else f"must be true or false, got {b!r}")
+    seed: int = _param(
+        0, "dare, della: seed of the random masks (per candidate name and leaf): an integer >= 0",
+        lambda n: None if _int(n) and n >= 0 else f"must be an integer >= 0, got {n!r}")
+    t: Any = _param(
+        0.5, "slerp: the interpolation factor (0: the first candidate), or a list of anchors "
+        "spread over the layers (mergekit's gradient), each in [0, 1]", _t_ok)
     learn_steps: int = _param(
         10, "optimiser steps on the weights: an integer >= 1",
         lambda n: None if _int(n) and n >= 1 else f"must be an integer >= 1, got {n!r}")
@@ -76,8 +109,10 @@ class MergeSpec:
         if self.method not in METHODS:
             raise ValueError(f"method: unknown merge method {self.method!r} (choose from "
                              f"{', '.join(METHODS)})")
-        if self.weights is not None and not isinstance(self.weights, (str, Mapping)):
-            object.__setattr__(self, "weights", tuple(self.weights))
+        for name in ("weights", "t"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, tuple(value))
         if self.method == "weighted" and self.weights is None:
             raise ValueError("weights: method=weighted needs one weight per candidate, got null")
         used = METHODS[self.method].params
@@ -89,6 +124,10 @@ class MergeSpec:
             if field.name not in used and value != field.default:
                 raise ValueError(f"{field.name}={value!r} is not a parameter of method="
                                  f"{self.method} (its parameters: {', '.join(used) or 'none'})")
+        if "epsilon" in used and not 0 < self.density - self.epsilon < self.density + \
+                self.epsilon < 1:
+            raise ValueError(f"epsilon: density -/+ epsilon must lie in (0, 1), got density="
+                             f"{self.density}, epsilon={self.epsilon}")
 
     def check_candidates(self, n: int, what: str = "candidates") -> None:
         """The method's bounds for n candidates, as errors (never clamped)."""
@@ -96,6 +135,9 @@ class MergeSpec:
         if n < m.min_candidates(self):
             raise ValueError(f"method={self.method} with num_byzantine={f} needs at least "
                              f"{m.min_candidates(self)} {what} ({m.bound}), got {n}")
+        if m.max_candidates is not None and n > m.max_candidates:
+            raise ValueError(f"method={self.method} merges exactly {m.max_candidates} {what}, "
+                             f"got {n}")
         if self.weights is not None and len(self.weights) != n and what == "candidates":
             raise ValueError(f"weights: method=weighted needs one weight per candidate ({n}), "
                              f"got {len(self.weights)}")
@@ -221,20 +263,9 @@ def _trimmed_leaf(spec: MergeSpec, solved: dict, base: tuple | None) -> Callable
                                                      overwrite_input=True)
 
 
-def _with_base(spec: MergeSpec, solved: dict, base: tuple) -> Callable:
-    from capibara_exp.consensus import methods
-
-    reader, candidate, index = base
-
-    def leaf(path, leaves):
-        if path[:1] != ("target",):  # optimizer state and step: mean / max
-            return methods.weighted_mean(leaves, methods.uniform_weights(len(leaves)),
-                                         overwrite_input=True)
-        b = reader.read(candidate, path, index[path])
-        if spec.method == "ties":
-            return methods.ties(leaves, b, solved["ties_thresholds"], spec.scale)
-        return methods.task_arithmetic(leaves, b, spec.scale)
-    return leaf
+_TV_COMMON = ("weights", "density", "scale", "normalize")
+_TV_PARAMS = {"dare": (*_TV_COMMON, "rescale", "seed"), "breadcrumbs": (*_TV_COMMON, "gamma"),
+              "della": (*_TV_COMMON, "epsilon", "rescale", "seed")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +281,11 @@ class Method:
     needs_gram: bool = False  # the solver works on the candidates' Gram matrix
     min_candidates: Callable[[MergeSpec], int] = lambda spec: 1
     bound: str = ""
+    max_candidates: int | None = None
+    # A soup of unrelated models is refused: the candidates must share an ancestor (the
+    # lineage in their manifests, or their weights' distance). Robust aggregators are
+    # meant for replicas, some of which may be anything: they need none.
+    shared_ancestor: bool = True
 
 
 METHODS: dict[str, Method] = {
@@ -262,25 +298,46 @@ METHODS: dict[str, Method] = {
                       needs_validation=True),
     "median": Method("the coordinate-wise median (breakdown point 1/2)", ("num_byzantine",),
                      leaf=_median_leaf, min_candidates=lambda s: 2 * s.num_byzantine + 1,
-                     bound="n > 2f"),
+                     bound="n > 2f", shared_ancestor=False),
     "trimmed_mean": Method("the coordinate-wise mean without the f largest and smallest",
-                           ("num_byzantine",), leaf=_trimmed_leaf,
+                           ("num_byzantine",), leaf=_trimmed_leaf, shared_ancestor=False,
                            min_candidates=lambda s: 2 * s.num_byzantine + 1, bound="n > 2f"),
     "krum": Method("Blanchard et al.: the candidate closest to its n - f - 2 neighbours",
-                   ("num_byzantine",), solve=_krum, needs_gram=True,
+                   ("num_byzantine",), solve=_krum, needs_gram=True, shared_ancestor=False,
                    min_candidates=lambda s: 2 * s.num_byzantine + 3, bound="n > 2f + 2"),
     "multi_krum": Method("the mean of the num_selected best Krum scores",
                          ("num_byzantine", "num_selected"), solve=_krum, needs_gram=True,
-                         min_candidates=lambda s: 2 * s.num_byzantine + 3, bound="n > 2f + 2"),
+                         min_candidates=lambda s: 2 * s.num_byzantine + 3, bound="n > 2f + 2",
+                         shared_ancestor=False),
     "geometric_median": Method("Weiszfeld's geometric median (breakdown point 1/2)",
                                ("num_byzantine",), solve=_geometric_median, needs_gram=True,
                                min_candidates=lambda s: 2 * s.num_byzantine + 1,
-                               bound="n > 2f"),
+                               bound="n > 2f", shared_ancestor=False),
     "task_arithmetic": Method("base + scale * sum_i (x_i - base) (base=...)", ("scale",),
-                              leaf=_with_base, needs_base=True),
+                              leaf=with_base, needs_base=True),
     "ties": Method("TIES-merging: trim each task vector to `density`, elect signs, average "
-                   "(base=...)", ("scale", "density"), solve=_ties_thresholds, leaf=_with_base,
+                   "(base=...)", ("scale", "density"), solve=_ties_thresholds, leaf=with_base,
                    needs_base=True),
+    "slerp": Method("spherical interpolation of two candidates at t (per layer with a list)",
+                    ("t",), solve=solve_pool, leaf=slerp_leaf, min_candidates=lambda s: 2,
+                    bound="two candidates", max_candidates=2),
+    "model_stock": Method("Jang et al.: per leaf, toward the mean by the offsets' angle to the "
+                          "base (base=...)", solve=solve_pool, leaf=with_base, needs_base=True,
+                          min_candidates=lambda s: 2, bound="n >= 2"),
+    **{name: Method(help, _TV_PARAMS[kind], solve=solve_pool, leaf=with_base, needs_base=True)
+       for name, (help, kind) in {
+           "dare_ties": ("DARE: drop at random, keep `density`, rescale; TIES sign election "
+                         "(base=...)", "dare"),
+           "dare_linear": ("DARE: drop at random, keep `density`, rescale; weighted sum "
+                           "(base=...)", "dare"),
+           "breadcrumbs": ("Model Breadcrumbs: drop the largest `gamma` and the smallest, "
+                           "keep `density`; weighted sum (base=...)", "breadcrumbs"),
+           "breadcrumbs_ties": ("Model Breadcrumbs with TIES sign election (base=...)",
+                                "breadcrumbs"),
+           "della": ("DELLA: magnitude-ranked keep probabilities density -/+ epsilon, "
+                     "rescale; TIES sign election (base=...)", "della"),
+           "della_linear": ("DELLA with a weighted sum (base=...)", "della"),
+       }.items()},
 }
 
 

@@ -34,7 +34,8 @@ def build(candidates: Sequence[Any], spec: Any, gate: Any, solved: dict,
         rows.append({"name": c.name, "checkpoint": str(c.step_dir), "step": c.step,
                      "accepted": c.name in accepted, "rejected_because": gate.rejected.get(c.name),
                      "integrity": gate.integrity.get(c.name), "val_loss": gate.val_loss.get(c.name),
-                     "held_out_loss": gate.held_out_loss.get(c.name), "weight": w})
+                     "held_out_loss": gate.held_out_loss.get(c.name), "weight": w,
+                     "params": _params_item(c)})
     scored = [n for n in accepted if n in gate.val_loss]
     best = min(scored, key=gate.val_loss.__getitem__) if scored else None  # chosen on selection
     merged, merged_held_out = merged_loss
@@ -46,6 +47,8 @@ def build(candidates: Sequence[Any], spec: Any, gate: Any, solved: dict,
            "held_out_loss": (_loss_summary(gate.held_out_loss, accepted, best, merged_held_out)
                              if merged_held_out is not None else None),
            "seconds": seconds}
+    if "nearest_relative_distance" in solved:  # candidates without lineage, by distance
+        rep["relative_distance"] = solved["nearest_relative_distance"]
     if "layer_weights" in solved:
         rep["learned"] = {"layer_weights": np.asarray(solved["layer_weights"]).tolist(),
                           "loss_per_step": solved["learn_history"]}
@@ -54,6 +57,14 @@ def build(candidates: Sequence[Any], spec: Any, gate: Any, solved: dict,
     if "ties_thresholds" in solved:
         rep["ties_thresholds"] = [float(t) for t in solved["ties_thresholds"]]
     return rep
+
+
+def _params_item(candidate: Any) -> str | None:
+    """Which weights of the candidate were (or would have been) merged; None if unreadable."""
+    try:
+        return candidate.params_item
+    except Exception:  # orbax raises many types for unreadable metadata
+        return None
 
 
 def warning_lines(rep: dict) -> list[str]:

@@ -9,6 +9,7 @@ mesh, placed with the sharding it was saved with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from capibara_exp.runtime import checkpoints
 
 LeafPath = tuple[str, ...]
+TARGET, EMA_TARGET = "target", "ema_target"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +35,16 @@ class LeafInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One checkpoint to merge: a T5X step dir (…/checkpoint_<step>) and a display name."""
+    """One checkpoint to merge: a T5X step dir (…/checkpoint_<step>) and a display name.
+
+    A run trained with EMA keeps its EMA weights as `ema_target` beside T5X's `target`
+    (the weights its evaluation used): with `use_ema` (the default) they are the
+    parameters merged, read in place of `target`, so such a checkpoint has the same tree
+    as any other and an EMA run merges with runs without EMA."""
 
     name: str
     step_dir: Path
+    use_ema: bool = True
 
     def __post_init__(self) -> None:
         # A LoRA run's checkpoint holds adapter factors A and B, whose mean is not the mean
@@ -50,50 +58,73 @@ class Candidate:
     def state_dir(self) -> Path:
         return self.step_dir / checkpoints.ITEM
 
+    @functools.cached_property
+    def stored_index(self) -> dict[LeafPath, LeafInfo]:
+        """Every stored leaf's path, shape, dtype and partition spec (Orbax metadata)."""
+        index = {}
+        for path, m in checkpoints.tree_metadata(self.step_dir).items():
+            sharding = getattr(m, "sharding", None)
+            spec = tuple(sharding.partition_spec) if hasattr(sharding, "partition_spec") \
+                else None
+            index[path] = LeafInfo(tuple(m.shape), np.dtype(m.dtype), spec)
+        return index
+
+    @property
+    def params_item(self) -> str:
+        """Where the merged parameters are read: `ema_target` (EMA runs, use_ema) or `target`."""
+        has_ema = any(p[:1] == (EMA_TARGET,) for p in self.stored_index)
+        return EMA_TARGET if self.use_ema and has_ema else TARGET
+
+    def stored_path(self, path: LeafPath) -> LeafPath:
+        """The stored leaf that a merged path reads (target/... from ema_target/...)."""
+        if path[:1] == (TARGET,) and self.params_item == EMA_TARGET:
+            return (EMA_TARGET, *path[1:])
+        return path
+
     @property
     def step(self) -> int:
         return int(self.step_dir.name.rsplit("_", 1)[-1])
 
 
-def candidate_from_path(path: str | Path, name: str | None = None) -> Candidate:
+def candidate_from_path(path: str | Path, name: str | None = None,
+                        use_ema: bool = True) -> Candidate:
     """A step dir as given, or the latest finished checkpoint of a model dir."""
     path = Path(path).absolute()
     if path.name.startswith(f"{checkpoints.STEP_PREFIX}_"):
-        return Candidate(name or f"{path.parent.name}/{path.name}", path)
+        return Candidate(name or f"{path.parent.name}/{path.name}", path, use_ema)
     found = checkpoints.steps(path)
     if not found:
         raise FileNotFoundError(f"{path}: neither a checkpoint_<step> dir nor a model dir with "
                                 "finished checkpoints")
     step_dir = path / f"{checkpoints.STEP_PREFIX}_{found[-1]}"
-    return Candidate(name or f"{path.name}/{step_dir.name}", step_dir)
+    return Candidate(name or f"{path.name}/{step_dir.name}", step_dir, use_ema)
 
 
-def last_k(model_dir: str | Path, k: int) -> list[Candidate]:
+def last_k(model_dir: str | Path, k: int, use_ema: bool = True) -> list[Candidate]:
     """The last k finished checkpoints of one run."""
     model_dir = Path(model_dir).absolute()
-    return [candidate_from_path(model_dir / f"{checkpoints.STEP_PREFIX}_{s}", f"step {s}")
-            for s in checkpoints.steps(model_dir)[-k:]]
+    return [candidate_from_path(model_dir / f"{checkpoints.STEP_PREFIX}_{s}", f"step {s}",
+                                use_ema) for s in checkpoints.steps(model_dir)[-k:]]
 
 
 def leaf_index(candidate: Candidate) -> dict[LeafPath, LeafInfo]:
-    """Every leaf's path, shape, dtype and partition spec, from the checkpoint's metadata."""
-    index = {}
-    for path, m in checkpoints.tree_metadata(candidate.step_dir).items():
-        sharding = getattr(m, "sharding", None)
-        spec = tuple(sharding.partition_spec) if hasattr(sharding, "partition_spec") else None
-        index[path] = LeafInfo(tuple(m.shape), np.dtype(m.dtype), spec)
-    return index
+    """The leaves a merge sees: T5X's `state` and `target` (for an EMA run read from its
+    `ema_target` when `use_ema`); the EMA copy itself is not a leaf of its own."""
+    stored = candidate.stored_index
+    return {p: stored[candidate.stored_path(p)] for p in stored if p[:1] != (EMA_TARGET,)}
 
 
 def sharding_for(info: LeafInfo, mesh: Mesh | None) -> jax.sharding.Sharding:
-    """The saved partition spec on `mesh` (when given and it divides), else one device."""
+    """The saved partition spec on `mesh` (when given, it has the spec's axes, e.g. a MoE
+    checkpoint's `expert`, and it divides the leaf), else replicated on it; one device
+    without a mesh."""
     if mesh is not None and info.spec is not None:
-        spec = PartitionSpec(*info.spec)
-        sharding = NamedSharding(mesh, spec)
         try:
+            sharding = NamedSharding(mesh, PartitionSpec(*info.spec))
             sharding.shard_shape(info.shape)
             return sharding
-        except ValueError:  # this mesh does not divide the leaf: replicate it
+        except ValueError:  # the mesh lacks an axis of the saved spec (a MoE checkpoint's
+            # `expert` on a data x model mesh) or does not divide the leaf: replicate it
             return NamedSharding(mesh, PartitionSpec())
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -112,7 +143,7 @@ class LeafReader:
 
     def _open(self, candidate: Candidate, path: LeafPath) -> ts.TensorStore:
         kvstore = {"driver": "ocdbt", "base": f"file://{candidate.state_dir}/",
-                   "path": ".".join(path)}
+                   "path": ".".join(candidate.stored_path(path))}
         errors = []
         for driver in ("zarr", "zarr3"):  # Orbax writes zarr v2 by default, v3 on request
             try:
@@ -181,11 +212,13 @@ def unflatten(flat: dict[LeafPath, Any]) -> dict:
     return tree
 
 
-def write(model_dir: str | Path, step: int, flat: dict[LeafPath, Any]) -> Path:
-    """Write a merged tree as model_dir/checkpoint_<step> in T5X layout, with its manifest."""
+def write(model_dir: str | Path, step: int, flat: dict[LeafPath, Any],
+          lineage: list[dict] | None = None) -> Path:
+    """Write a merged tree as model_dir/checkpoint_<step> in T5X layout, with its manifest
+    (recording the ancestors the merged candidates share)."""
     mgr = checkpoints.manager(model_dir)
     try:
-        checkpoints.save(mgr, step, unflatten(flat), kind="merge")
+        checkpoints.save(mgr, step, unflatten(flat), kind="merge", lineage=lineage)
     finally:
         mgr.close()
     return Path(model_dir).absolute() / f"{checkpoints.STEP_PREFIX}_{step}"

@@ -109,6 +109,8 @@ class Checkpointer:
         self._pending: dict[int, dict] = {}  # committed-to-be steps -> manifest facts
         self._sidecars: dict[int, dict[str, dict]] = {}  # their extra files
         self._lock = threading.Lock()
+        self.lineage: list[dict] | None = None  # runtime/lineage.py: recorded in manifests
+        self.committed: list[tuple[int, str]] = []  # (step, step dir) with their manifests
         options = ocp.CheckpointManagerOptions(
             step_prefix=STEP_PREFIX, max_to_keep=keep, create=True,
             cleanup_tmp_directories=True,  # a save a kill cut short leaves a temporary dir
@@ -132,6 +134,8 @@ class Checkpointer:
         self.wait()  # one save at a time: the previous one commits before this one starts
         with self._lock:
             self._pending[step] = {"step": step, "kind": kind, "finite": True}
+            if self.lineage is not None:
+                self._pending[step]["lineage"] = self.lineage
             self._sidecars[step] = dict(sidecars or {})
         self._mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
                        force=True, custom_metadata={KIND_KEY: kind})
@@ -152,6 +156,7 @@ class Checkpointer:
                     (path / name).write_text(json.dumps(record, indent=1, sort_keys=True))
                 integrity.write_manifest(path, **info)
             with self._lock:
+                self.committed.append((step, str(path)))
                 self._pending.pop(step, None)
                 self._sidecars.pop(step, None)
 
@@ -172,8 +177,11 @@ def manager(model_dir: str | Path, keep: int | None = None,
 
 
 def save(mgr: Checkpointer, step: int, tree: Any, kind: str = "saved",
-         sidecars: dict[str, dict] | None = None) -> Path:
-    """Write one checkpoint and wait until it is on disk with its manifest."""
+         sidecars: dict[str, dict] | None = None, lineage: list[dict] | None = None) -> Path:
+    """Write one checkpoint and wait until it is on disk with its manifest (recording
+    `lineage`, runtime/lineage.py, when given)."""
+    if lineage is not None:
+        mgr.lineage = lineage
     return mgr.save(step, tree, kind, wait=True, sidecars=sidecars)
 
 

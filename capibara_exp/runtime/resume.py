@@ -186,16 +186,17 @@ def newest_finite(model_dir: str) -> str:
     return f"no checkpoint exists in {model_dir}: a re-run starts from scratch"
 
 
-def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None]
-            ) -> tuple[Any, int]:
+def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None],
+            on_restore: Callable[[Path], None] | None = None) -> tuple[Any, int]:
     """train's restore phase, in T5X's order: the newest checkpoint of the run's own
     model_dir that verifies (corrupt ones moved aside); else what `cfg` (T5X's
     RestoreCheckpointConfig, None for none) names: a specific checkpoint (an initial
     checkpoint: strict=False restores what it has, parameters at least) or the latest of
     another directory; else a start from scratch. Returns the state and its step, which is
-    also the data position."""
+    also the data position. `on_restore` is told the step dir restored (the run's lineage
+    starts there)."""
     if checkpoints.steps(model_dir):
-        return _restored(state, model_dir, "latest", cfg, say, own=True)
+        return _restored(state, model_dir, "latest", cfg, say, own=True, on_restore=on_restore)
     for path in (cfg.paths if cfg is not None else []):
         if not path:
             continue
@@ -206,12 +207,12 @@ def restore(state: Any, cfg: Any, model_dir: str, say: Callable[[str], None]
             raise FileNotFoundError(f"utils.RestoreCheckpointConfig.path: no checkpoint at "
                                     f"{path} (a checkpoint_<step> dir with {checkpoints.ITEM}/)")
         if cfg.mode == "specific" or checkpoints.steps(path):
-            return _restored(state, path, cfg.mode, cfg, say, own=False)
+            return _restored(state, path, cfg.mode, cfg, say, own=False, on_restore=on_restore)
     return state, 0  # as in T5X: nothing to restore is a start from scratch
 
 
 def _restored(state: Any, path: str, mode: str, cfg: Any, say: Callable[[str], None],
-              own: bool) -> tuple[Any, int]:
+              own: bool, on_restore: Callable[[Path], None] | None) -> tuple[Any, int]:
     template = state.state_dict()
     if cfg is not None and cfg.dtype:
         template = checkpoints.cast_floats(template, cfg.dtype)
@@ -220,6 +221,8 @@ def _restored(state: Any, path: str, mode: str, cfg: Any, say: Callable[[str], N
             from capibara_exp.runtime import initial
 
             restored, step = initial.restore_what_it_has(state, Path(path), template, say)
+            if on_restore is not None:
+                on_restore(Path(path).absolute())
             return restored, step
         found = (restore_verified(str(path), template, say, own) if mode == "latest"
                  else restore_specific(Path(path), template))
@@ -229,4 +232,7 @@ def _restored(state: Any, path: str, mode: str, cfg: Any, say: Callable[[str], N
     where = f"{path}/checkpoint_{step}" if mode == "latest" else str(path)
     say(f"restored {where}" + (f" (a {kind} save)" if kind == "preemption" else ""))
     restored = state.restore_state(tree)
+    if on_restore is not None:
+        on_restore(Path(path).absolute() / f"checkpoint_{step}" if mode == "latest" else
+                   Path(path).absolute())
     return restored, int(jax.device_get(restored.step))

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
-from capibara_exp.runtime import checkpoints, inputs, monitor, resume
+from capibara_exp.runtime import checkpoints, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
 from capibara_exp.runtime.config import (
@@ -29,6 +29,7 @@ from capibara_exp.runtime.config import (
     reject_unsupported,
     require_value,
 )
+from capibara_exp.runtime.events import Events, EventWriter
 from capibara_exp.runtime.metrics import (
     MetricsWriter,
     NullWriter,
@@ -38,6 +39,7 @@ from capibara_exp.runtime.metrics import (
     summarize,
 )
 from capibara_exp.runtime.preemption import Preemption
+from capibara_exp.runtime.stages import StagePlan
 from capibara_exp.runtime.state import (
     batch_shapes,
     global_batch,
@@ -91,6 +93,9 @@ class _Run:
     saver: checkpoints.Checkpointer | None = None
     eval_batches: list[dict] = dataclasses.field(default_factory=list)
     saved: set[int] = dataclasses.field(default_factory=set)
+    lineage: list[dict] | None = None  # what the weights descend from (runtime/lineage.py)
+    events: Events | None = None  # callback events beyond T5X's actions (runtime/events.py)
+    stages: StagePlan | None = None  # a curriculum's per-stage settings (runtime/stages.py)
 
     @property
     def save_cfg(self) -> Any:
@@ -147,8 +152,12 @@ def train(
     _check_arguments(args)
     run, state = _setup(args)
     try:
+        restored: list[Path] = []
         state, start_step = resume.restore(state, checkpoint_cfg.restore, run.model_dir,
-                                           run.progress.message)
+                                           run.progress.message, restored.append)
+        run.lineage = lineage.for_run(run.model_dir, (restored or [None])[0],
+                                      run.args["random_seed"], state.params)
+        run.events.emit("train_begin", step=start_step, model_dir=run.model_dir)
         step, state, stop = _loop(run, state, start_step)
         _finish(run, step, state, stop)
     finally:
@@ -195,18 +204,26 @@ def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
     monitor.check_network_bound(model, length)
     getattr(model, "frozen_params", None)  # LoRA reads its base weights here, not mid-trace
     shapes, axes = state_shapes(model, batch_size, length)
-    trainer = make_trainer(a["trainer_cls"], model, a["partitioner"], shapes, axes, dropout_rng,
-                           batch_size, model_dir, **trainer_features(a))
+
+    def make(batch: int | None = None, **stage: Any) -> Trainer:  # the run's, or a stage's
+        return make_trainer(a["trainer_cls"], model, a["partitioner"], shapes, axes, dropout_rng,
+                            batch or batch_size, model_dir, **trainer_features(a), **stage)
+
+    trainer = make()
+    stages = a["curriculum"] and StagePlan(staged.parse_stages(a["curriculum"], total), trainer,
+                                           make, shapes.params)
     # Compiled here, before any array exists: a step that cannot fit is an error, not an
     # out-of-memory kill; the first train step then runs this executable.
     monitor.check_step_fits(trainer.lower_train_step(*placed_shapes(trainer, shapes, features))
                             .compile(), watch, batch_size)
     state = trainer.prepare_state(initial_state(model, init_rng, batch_size, length)[0])
     max_skips = trainer.max_consecutive_skips if trainer.skip_nonfinite_updates else None
+    events = Events(actions)
     run = _Run(a, trainer, model_dir, epoch, a["stats_period"] or epoch, actions,
-               MetricsWriter(model_dir) if lead else NullWriter(), progress,
-               _window(a, state, lead, model_dir),
-               NanGuard(max_skips, lambda: _last_good(run)), watch)
+               EventWriter(MetricsWriter(model_dir) if lead else NullWriter(), events),
+               progress, _window(a, state, lead, model_dir),
+               NanGuard(max_skips, lambda: _last_good(run)), watch, events=events,
+               stages=stages or None)
     return run, state
 
 
@@ -229,9 +246,8 @@ def _batches(run: _Run, start_step: int) -> Iterator[dict]:
     a = run.args
     cfg, converter = a["train_dataset_cfg"], a["model"].FEATURE_CONVERTER_CLS
     seed = cfg.seed if cfg.seed is not None else a["random_seed"]
-    if a["curriculum"]:
-        stages = staged.parse_stages(a["curriculum"], a["total_steps"])
-        return staged.batches(stages, cfg, converter, seed, start_step)
+    if run.stages:
+        return staged.batches(run.stages.stages, cfg, converter, seed, start_step)
     return inputs.batches(cfg, converter, seed, skip_batches=start_step)
 
 
@@ -239,6 +255,7 @@ def _loop(run: _Run, state: TrainState, start_step: int) -> tuple[int, TrainStat
     """Train from start_step to total_steps (or until an action stops it, or a signal)."""
     if run.save_cfg:  # after the restore: Orbax lists the steps when it opens the dir
         run.saver = checkpoints.manager(run.model_dir, run.save_cfg.keep, async_save=True)
+        run.saver.lineage = run.lineage
     train_iter = _batches(run, start_step)
     data_sharding = run.trainer.partitioner.data_sharding()
     run.eval_batches = [global_batch(b, data_sharding) for b in _eval_batches(
@@ -249,8 +266,9 @@ def _loop(run: _Run, state: TrainState, start_step: int) -> tuple[int, TrainStat
     with Preemption() as preemption:
         while step < run.args["total_steps"] and not stop:
             host_batch = run.window.next_batch(train_iter)
-            state, metrics = run.trainer.train_step(state, global_batch(host_batch,
-                                                                        data_sharding))
+            trainer = run.stages.trainer_at(step) if run.stages else run.trainer
+            state = run.stages.apply(state, step) if run.stages else state
+            state, metrics = trainer.train_step(state, global_batch(host_batch, data_sharding))
             step += 1
             run.window.add(metrics)
             run.guard.after_step(step, metrics)
@@ -296,10 +314,12 @@ def _after_step(run: _Run, state: TrainState, step: int) -> bool:
             _save(run, state, step, "final" if final else "periodic", wait=final)
         elif extra:
             _save(run, state, step, "extra")
+        run.events.saved(run.saver)  # saves committed so far (the final one waited for) first
         stop = run_actions(run.actions.get("TRAIN_EVAL", []), state, metrics_by_task) or stop
         run.window.reset()  # evaluation and checkpointing are not step time
     elif extra:  # T5X's checkpoint_steps: extra steps to save
         _save(run, state, step, "extra")
+    run.events.saved(run.saver)
     return stop
 
 
@@ -332,11 +352,13 @@ def _preempted(run: _Run, state: TrainState, step: int, signal_name: str | None)
     if run.saver:
         if step not in run.saved:
             _save(run, state, step, "preemption", wait=True)
-        run.saver.wait()
+        run.events.saved(run.saver, wait=True)
         saved = f"{run.model_dir}/checkpoint_{step} holds every finished step"
     message = (f"preempted by {signal_name} after step {step}: {saved}; run the same command "
                "again to resume")
     run.progress.message(message)
+    run.events.emit("preemption", step=step,
+                    path=f"{run.model_dir}/checkpoint_{step}" if run.saver else None)
     raise Preempted(message)
 
 
@@ -347,6 +369,8 @@ def _finish(run: _Run, step: int, state: TrainState, stop: bool) -> None:
         _save(run, state, step, "stop")
     if jax.process_index() == 0:
         run.args["summarize_config_fn"](run.model_dir, run.writer, step)
+    run.events.saved(run.saver, wait=True)
+    run.events.emit("train_end", step=step, model_dir=run.model_dir)
 
 
 def _evaluate_and_act(run: _Run, state: TrainState, step: int) -> bool:

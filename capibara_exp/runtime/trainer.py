@@ -147,6 +147,7 @@ class Trainer:
         ema_decay: float | None = None,
         skip_nonfinite_updates: bool = False,
         max_consecutive_skips: int = 3,
+        update_mask: Any = None,
     ):
         """T5X's Trainer; `ema_decay`, `skip_nonfinite_updates` and `max_consecutive_skips`
         are the local engine's own (T5X has neither EMA weights nor a skip-step policy)."""
@@ -176,6 +177,10 @@ class Trainer:
         self.max_consecutive_skips = max_consecutive_skips
         self._rng = rng
         self._tx = model.optimizer_def.optax_optimizer
+        if update_mask is not None:  # a curriculum stage's frozen modules (runtime/freeze.py)
+            from capibara_exp.runtime.freeze import freeze
+
+            self._tx = freeze(self._tx, update_mask)
         if ema_decay is not None:
             train_state_axes = train_state_axes.replace(ema_params=train_state_axes.params)
         state_shardings = partitioner.shardings(train_state_axes)
@@ -200,6 +205,10 @@ class Trainer:
         if self.frozen is not None and self._frozen_values is None:
             self._frozen_values = self.frozen.load(self._frozen_shardings)
         return self._frozen_values
+
+    def reload_frozen(self) -> None:
+        """Read the frozen inputs again at the next step (FedProx's anchor, each round)."""
+        self._frozen_values = None
 
     def _loss_fn(self, frozen: Any) -> Callable:
         if frozen is None:
