@@ -47,7 +47,8 @@ def test_every_listed_private_name_is_in_the_installed_library(
 
 
 def test_the_stale_trial_query_still_takes_a_study_id() -> None:
-    stale_ids = _resolve(private_apis.USES[0])
+    stale_ids = _resolve(next(u for u in private_apis.USES
+                              if u.name.endswith("._get_stale_trial_ids")))
     params = list(inspect.signature(stale_ids).parameters)
     assert params == ["self", "study_id"], (
         f"optuna.storages.RDBStorage._get_stale_trial_ids takes {params} in optuna "
@@ -72,7 +73,7 @@ def test_jax_keeps_its_coordination_client_where_distributed_client_reads_it() -
 
 
 def test_orbax_writes_one_numpy_array_from_value_spec_and_context() -> None:
-    write = _resolve(private_apis.USES[1])
+    write = _resolve(next(u for u in private_apis.USES if u.name.endswith("._open_and_write")))
     params = list(inspect.signature(write).parameters)
     assert params == ["self", "value", "tspec", "ts_context"], (
         "orbax.checkpoint's NumpyHandler._open_and_write takes "

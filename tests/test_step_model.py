@@ -190,7 +190,7 @@ def test_tpu_einsums_collectives_and_their_torus_axes():
 def test_splash_kernels_are_counted_from_their_shapes_and_blocks():
     from flax.linen import partitioning as nn_partitioning
 
-    from capibara_exp.nets import attention
+    from capibara_exp.nets import splash
 
     devices = tpu_devices("v5e-4")
     mesh = Mesh(np.asarray(devices).reshape(2, 2), ("data", "model"))
@@ -199,7 +199,7 @@ def test_splash_kernels_are_counted_from_their_shapes_and_blocks():
     def loss(q, k, v):
         segments = jnp.ones((batch, length), jnp.int32)
         with nn_partitioning.axis_rules([("batch", "data"), ("heads", "model")]):
-            out = attention.splash_attention(q, k, v, segments)
+            out = splash.splash_attention(q, k, v, segments)
         return jnp.sum(out.astype(jnp.float32))
 
     spec = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16,

@@ -100,8 +100,10 @@ def test_three_workers_outlive_a_database_restart_and_a_killed_worker(
     wait_for(lambda: len(lines(tmp_path, "end")) >= 2, "two finished trials")
     postgres.stop()  # mid-sweep: jobs run on, their results wait for the server
     time.sleep(8)
-    postgres.start()
+    # Counted while the server is away (no trial can start then): a count taken after the
+    # restart could already include the trials the workers started at once.
     started_after = len(lines(tmp_path, "start"))
+    postgres.start()
     wait_for(lambda: len(lines(tmp_path, "start")) > started_after, "a trial after the restart")
     # Kill a worker in the middle of its trial: SIGKILL, nothing told to anyone.
     running = [(pid, n) for pid, n, _ in lines(tmp_path, "start")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -214,9 +215,13 @@ class PostgresServer:
         raise AssertionError(f"PostgreSQL did not start on port {self.port}")
 
     def stop(self) -> None:
-        """A fast shutdown: the server closes every client's connection, as a restart does."""
+        """A fast shutdown (SIGINT; SIGTERM is PostgreSQL's smart shutdown, which waits for
+        the clients to leave): the server closes every client's connection, as a restart does."""
         if self.server is not None and self.server.poll() is None:
-            self.server.terminate()
+            # To the postmaster itself (its pid is the first line of postmaster.pid): runuser,
+            # where it runs as the postgres user, does not pass SIGINT on.
+            pid = int((self.data / "postmaster.pid").read_text().split()[0])
+            os.kill(pid, signal.SIGINT)
             self.server.wait(timeout=60)
 
     def close(self) -> None:

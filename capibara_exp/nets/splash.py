@@ -80,6 +80,14 @@ def splash_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, *, cap=None,
         spec = nn.logical_to_mesh_axes(("batch", "heads", "length", "kv"))
         kv_spec = nn.logical_to_mesh_axes(("batch", "kv_heads", "length", "kv"))
         seq_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
+        if kv_spec[1] != spec[1]:
+            # Keys and values not split over the query heads' mesh axis (the rules leave
+            # kv_heads replicated): each shard gets the key/value head of each of its query
+            # heads, so a shard's query heads always read their own group.
+            q, k, v = heads_first
+            group = q.shape[1] // k.shape[1]
+            heads_first = [q, *(jnp.repeat(x, group, axis=1) for x in (k, v))]
+            kv_spec = spec
         out_BxHxLxK = jax.shard_map(local, in_specs=(spec, kv_spec, kv_spec, seq_spec),
                                     out_specs=spec, check_vma=False)(*heads_first, segments_BxL)
     return jnp.swapaxes(out_BxHxLxK, 1, 2)

@@ -86,7 +86,7 @@ def attentions(cfg: DictConfig, local: bool) -> list[str]:
     splash where the model can take splash (rope, no dropout, a length the kernel's blocks
     divide) and the target is a TPU, else dot (on CPU/GPU splash runs as dot anyway). A
     listed one the model cannot take is an error naming the key."""
-    from capibara_exp.nets.attention import splash_block
+    from capibara_exp.nets.splash import splash_block
 
     model = cfg.model
     length = max(cfg.data.task_feature_lengths.values())
