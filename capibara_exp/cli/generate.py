@@ -20,6 +20,7 @@ import sys
 
 from capibara_exp import environment
 from capibara_exp.cli.common import fail, user_errors
+from capibara_exp.errors import Preempted
 
 PROG = "capibara-exp-generate"
 REQUIRED = ("checkpoint", "out")
@@ -75,8 +76,12 @@ def main(argv: list[str] | None = None) -> None:
 
     with user_errors(PROG, ValueError):
         job = command.prepare(keys)
-    summary = command.run(job, PROG)
-    print(f"{PROG}: wrote {summary['prompts']} prompts' outputs to {summary['out']} "
+    try:
+        summary = command.run(job, PROG)
+    except Preempted as stop:
+        print(stop, file=sys.stderr)
+        raise
+    print(f"{PROG}: wrote {summary['done']} prompts' outputs to {summary['out']} "
           f"({summary['tokens']} tokens, {summary['tokens_per_s']:.1f} tokens/s)")
 
 

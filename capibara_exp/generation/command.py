@@ -156,6 +156,8 @@ def run(job: Job, prog: str) -> dict[str, Any]:
             progress.update(i + 1, new_tokens)
             new_tokens = 0
             if flag["signal"] and i + 1 < len(job.records):
+                if progress.tty:
+                    print(file=sys.stderr)
                 _write(job, lines, "stopped", progress)
                 raise Preempted(f"{prog}: stopped by {flag['signal']} after {i + 1} of "
                                 f"{len(job.records)} prompts (kept in {job.out}; the same "
@@ -166,7 +168,7 @@ def run(job: Job, prog: str) -> dict[str, Any]:
 
 
 def _write(job: Job, lines: list[str], status: str, progress: _Progress) -> dict:
-    summary = {"out": str(job.out), "prompts": len(lines), "tokens": progress.tokens,
+    summary = {"out": str(job.out), "done": len(lines), "tokens": progress.tokens,
                "tokens_per_s": progress.rate()}
     prompts.write_atomic(job.out, lines)
     prompts.write_atomic(record_path(job.out), [json.dumps(
