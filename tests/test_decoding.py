@@ -5,7 +5,6 @@ decoding settings do what they say."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
