@@ -41,7 +41,7 @@ def test_scoring_against_the_logged_outcome(tmp_path: Path) -> None:
     targets = [GOOD, GOOD, GOOD, {"prompt": "", "stdout": "a\n"}]
     preds = ["print(x * 7)\n", "print(x)\n", "raise SystemExit(3)\n", "print('a')  \n"]
     outcomes = scoring.run_all(targets, [[p] for p in preds], LIMITS, 2)
-    assert [scoring.passed(o[0], t) for o, t in zip(outcomes, targets)] == [
+    assert [scoring.passed(o[0], t) for o, t in zip(outcomes, targets, strict=True)] == [
         True, False, False, True]
     assert scoring.passed(outcomes[1][0], GOOD, mode="no_error")
     got = scoring.codegen_metric(targets, [[p, "print(x * 7)\n"] for p in preds], ks=(1, 2),

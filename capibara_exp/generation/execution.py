@@ -130,8 +130,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_program(code: str, limits: Limits = Limits(), python: str | None = None) -> Outcome:
+def run_program(code: str, limits: Limits | None = None, python: str | None = None) -> Outcome:
     """Run a Python program under the limits; its outcome (never raises for the program)."""
+    limits = limits or Limits()
     work, logs = _workdir()
     try:
         (work / "main.py").write_text(code, encoding="utf-8")

@@ -52,7 +52,7 @@ def program(expected: dict, completion: str) -> str:
 def run_all(targets: Sequence[dict], samples: Sequence[Sequence[str]],
             limits: execution.Limits, workers: int) -> list[list[execution.Outcome]]:
     """Every sample's outcome, programs run `workers` at a time (each its own sandbox)."""
-    jobs = [(i, j, program(t, s)) for i, (t, row) in enumerate(zip(targets, samples))
+    jobs = [(i, j, program(t, s)) for i, (t, row) in enumerate(zip(targets, samples, strict=True))
             for j, s in enumerate(row)]
     out: list[list[Any]] = [[None] * len(row) for row in samples]
     with futures.ThreadPoolExecutor(max(1, workers)) as pool:
