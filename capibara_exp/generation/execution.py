@@ -23,9 +23,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from capibara_exp.data.e2b import sandbox
+
+# subprocess forks to run preexec_fn; what runs in the child before exec (setsid, setrlimit,
+# setuid) takes no lock a JAX thread could hold, so its warning about forking is noise here.
+warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 
 Limits = sandbox.Limits
 MAX_TEXT = 1 << 16  # bytes of stdout/stderr kept per program
