@@ -115,6 +115,7 @@ def generate(module: Any, params: Any, vocabulary: Any, prompts: Sequence[Sequen
         raise ValueError("an empty prompt (T5X's decoding needs at least one token)")
     model = t5x_model(module, vocabulary, s)
     program = _predict_program(model, s)
+    batch_size = min(batch_size, len(prompts))  # no rows decoded for nothing
     width = max(len(p) for p in prompts)
     length = width + 1 + s.max_new_tokens
     stops = (vocabulary.eos_id, *s.stop_tokens)
