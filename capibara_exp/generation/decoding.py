@@ -1,6 +1,6 @@
 """Decoding with T5X's own prediction path: `t5x.models.DecoderOnlyModel.predict_batch_with_aux`
 around the project's network (its `decode=True` cache, the prompt prefilled in one pass),
-with `t5x.decoding.temperature_sample` (greedy = top-1, temperature, top-k, top-p) or
+with `t5x.decoding.temperature_sample` (greedy = temperature 0, temperature, top-k, top-p) or
 `t5x.decoding.beam_search` as its decode_fn. So the local engine decodes exactly as T5X's
 predict_batch and t5x.infer do.
 
@@ -61,8 +61,8 @@ def decode_fn(s: Sampling) -> Any:
 
     if s.method == "beam":
         return functools.partial(decoding.beam_search, alpha=s.alpha)
-    if s.method == "greedy" or s.temperature == 0:  # the most likely token: top-1
-        return functools.partial(decoding.temperature_sample, temperature=1.0, topk=1,
+    if s.method == "greedy" or s.temperature == 0:  # T5X's zero-temperature branch: argmax
+        return functools.partial(decoding.temperature_sample, temperature=0.0, topk=0,
                                  max_decode_steps=s.max_new_tokens)
     return functools.partial(decoding.temperature_sample, temperature=s.temperature,
                              topk=s.top_k, topp=s.top_p, max_decode_steps=s.max_new_tokens)
