@@ -19,6 +19,7 @@ import seqio
 import tensorflow as tf
 
 from capibara_exp.data.tasks import VOCABULARY, data_dir
+from capibara_exp.errors import ConfigError
 from capibara_exp.generation import scoring
 
 TASK = "capibara_e2b_codegen"
@@ -28,11 +29,19 @@ FEATURES = {"inputs": seqio.Feature(VOCABULARY, add_eos=False),
 
 
 def logs_path() -> Path:
+    """$CAPIBARA_CODEGEN_LOGS, else the collected logs of the data build (built first, as
+    the routing tasks build on first read); a ConfigError saying how when there are none."""
     if os.environ.get(LOGS_ENV):
-        return Path(os.environ[LOGS_ENV])
-    from capibara_exp.data.e2b import build
+        path = Path(os.environ[LOGS_ENV])
+    else:
+        from capibara_exp.data.e2b import build
 
-    return build.dataset_dir(data_dir()) / "logs" / "collected.jsonl"
+        build.ensure_built(data_dir())
+        path = build.dataset_dir(data_dir()) / "logs" / "collected.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{TASK}: no E2B logs at {path}; set ${LOGS_ENV} to an E2B-format "
+                          "JSONL file or collect some with capibara-exp-data")
+    return path
 
 
 def examples(path: Path) -> list[dict]:
