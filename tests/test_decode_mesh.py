@@ -36,8 +36,9 @@ def worker() -> dict:
         with partitioner.activation_context():
             got = np.asarray(stepwise_logits(net, params, tokens, PROMPT))
             ones = jax.numpy.ones_like(tokens)
-            _, made = jax.jit(lambda p, t: net.apply({"params": p}, t, t, enable_dropout=False,
-                                                      decode=True, mutable=["cache"]))(params, ones)
+            _, made = jax.jit(lambda p, t, n=net: n.apply(
+                {"params": p}, t, t, enable_dropout=False, decode=True, mutable=["cache"]))(
+                params, ones)
         key = made["cache"]["layers_0"]["self_attention"]["cached_key"]
         rules = nn.logical_to_mesh_axes(CACHE_AXES, partitioner.logical_axis_rules)
         spec = list(key.sharding.spec) + [None] * (len(CACHE_AXES) - len(key.sharding.spec))
