@@ -112,6 +112,10 @@ class _Progress:
         self.total, self.prog, self.tokens, self.t0 = total, prog, 0, time.perf_counter()
         self.tty = sys.stderr.isatty()
 
+    def start(self) -> None:
+        """Time from here (after the compile)."""
+        self.t0 = time.perf_counter()
+
     def rate(self) -> float:
         return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
 
@@ -147,7 +151,8 @@ def run(job: Job, prog: str) -> dict[str, Any]:
     flag = _stop_on_signal()
     progress = _Progress(len(job.records), prog)
     batches = decoding.generate(job.loaded.module, job.loaded.params, job.loaded.vocabulary,
-                                job.token_ids[start:], job.sampling, job.batch_size)
+                                job.token_ids[start:], job.sampling, job.batch_size,
+                                on_compiled=progress.start)
     new_tokens = 0
     for i, decodes in enumerate(batches, start):
         lines.append(_line(i, job.records[i], decodes, job.loaded.vocabulary))

@@ -108,9 +108,12 @@ def cut(ids: Sequence[int], stops: Sequence[int]) -> list[int]:
 
 
 def generate(module: Any, params: Any, vocabulary: Any, prompts: Sequence[Sequence[int]],
-             s: Sampling, batch_size: int = 8) -> Iterator[list[tuple[list[int], float]]]:
+             s: Sampling, batch_size: int = 8, on_compiled: Any = None
+             ) -> Iterator[list[tuple[list[int], float]]]:
     """For each prompt (token ids, at least one), its decodes as (generated ids, score),
-    best first for beam search; batches of `batch_size` prompts, one compiled program."""
+    best first for beam search; batches of `batch_size` prompts, one compiled program
+    (compiled before the first batch; `on_compiled()` is called then, so rates can leave
+    the compile out)."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt (T5X's decoding needs at least one token)")
     model = t5x_model(module, vocabulary, s)
@@ -125,6 +128,10 @@ def generate(module: Any, params: Any, vocabulary: Any, prompts: Sequence[Sequen
         chunk += [chunk[0]] * (batch_size - real)  # one shape: one compile
         batch = {k: jnp.asarray(v) for k, v in prompt_batch(chunk, length).items()}
         rng = jax.random.fold_in(jax.random.PRNGKey(s.seed), start)
+        if start == 0:
+            program = program.lower(params, batch, rng).compile()
+            if on_compiled:
+                on_compiled()
         decodes, scores = jax.device_get(program(params, batch, rng))
         for row in range(real):
             yield _row(decodes[row], scores[row], s, stops)
