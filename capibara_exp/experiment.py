@@ -105,7 +105,7 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
     metrics = None
     if cfg.engine.name == "local":
         from capibara_exp.runtime import gin_utils
-        from capibara_exp.runtime.metrics import last_metrics
+        from capibara_exp.runtime.metrics import final_metrics
 
         distributed.initialize(cfg.distributed)
         compilation_cache(cfg.get("compilation_cache_dir"))
@@ -115,7 +115,7 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
         with machine_peak(run_dir, cfg.model.get("dtype", "float32"),
                           cfg.get("compilation_cache_dir")), peers.watched(cfg.distributed):
             gin_utils.run_train(path, actions=_sweep_actions(cfg))
-        metrics = last_metrics(run_dir, "train_eval")
+        metrics = final_metrics(run_dir)
     elif cfg.engine.name == "t5x":
         metrics = run_t5x(cfg, path, run_dir)
     else:

@@ -23,7 +23,7 @@ from capibara_exp.errors import ConfigError
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
 # Groups that are off (null) unless chosen; when chosen they work like the groups above.
 OPTIONAL_GROUPS = ("early_stopping", "ema", "nan_guard", "curriculum", "router_supervision",
-                   "lora", "monitor", "consensus", "wandb", "mlflow")
+                   "lora", "monitor", "consensus", "wandb", "mlflow", "infer_eval")
 # Features T5X does not have: their templates bind the local engine's own names.
 LOCAL_ONLY_GROUPS = ("ema", "nan_guard", "curriculum", "router_supervision", "lora",
                      "monitor")

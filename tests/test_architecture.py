@@ -67,6 +67,18 @@ NEVER: list[tuple[str, tuple[str, ...], str]] = [
     ("capibara_exp.launch", ("capibara_exp.cli", "capibara_exp.sweeping", "capibara_exp.tuning",
                              "capibara_exp.consensus", "capibara_exp.convert"),
      "launching runs a config.gin"),
+    ("capibara_exp.generation", ("capibara_exp.cli", "capibara_exp.sweeping",
+                                 "capibara_exp.tuning", "capibara_exp.consensus",
+                                 "capibara_exp.launch", "capibara_exp.experiment",
+                                 "capibara_exp.meta_consensus", "hydra"),
+     "decoding and scoring: checkpoints and prompts in, tokens and scores out; callers above"),
+    ("capibara_exp.generation.decoding", ("capibara_exp",),
+     "T5X's decoding around any network: the runtime's inference eval imports it, so it "
+     "imports nothing of the project"),
+    ("capibara_exp.generation.execution", HEAVY, "programs run without the training stack"),
+    ("capibara_exp.runtime", ("capibara_exp.generation.loading", "capibara_exp.generation.command",
+                              "capibara_exp.generation.prompts"),
+     "the runtime uses generation's decoding only (generation loads checkpoints via runtime)"),
     ("capibara_exp", ("tests", "bench"), "the package never imports its tests or benchmarks"),
 ]
 # Only the console scripts (and the sweeper's Hydra plugin, which is one) import cli/.

@@ -119,3 +119,37 @@ def test_checkpoints_cross_between_engines(runs: dict[str, Path], data_dir: Path
                    f"data_dir={data_dir}", cwd=tmp_path)
     assert f"{run}/checkpoint_6 keeps no tf.data iterator (the local engine" in out.stderr
     assert checkpoints.steps(run)[-1] == 8
+
+
+def test_t5x_inference_eval_runs_the_networks_decode_as_capibara_generate(
+        tmp_path: Path, data_dir: Path, monkeypatch) -> None:
+    """Real T5X's inference eval (predict_batch over the project's network and its decode
+    cache, seqio.Evaluator, the execution metric) under engine=t5x; its greedy predictions
+    are what capibara-exp-generate decodes from the same checkpoint; its pass@1 reaches
+    metrics.jsonl as the local engine writes it."""
+    from tests.test_infer_eval import INFER, PROGRAMS
+
+    logs = tmp_path / "e2b.jsonl"
+    logs.write_text("".join(json.dumps({
+        "id": f"c{i}", "language": "python", "code": code, "execution": {
+            "results": [], "logs": {"stdout": [out], "stderr": []}, "error": None,
+            "execution_count": 1}}) + "\n" for i, (code, out) in enumerate(PROGRAMS)))
+    monkeypatch.setenv("CAPIBARA_CODEGEN_LOGS", str(logs))
+    run = tmp_path / "run"
+    capibara("engine=t5x", f"data_dir={data_dir}", f"model_dir={run}", *INFER, cwd=tmp_path)
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    infer = [r for r in rows if r["split"] == "inference_eval"]
+    assert [r["step"] for r in infer] == [2, 4]
+    assert all(0 <= r["capibara_e2b_codegen/pass@1"] <= 1 for r in infer)
+    logged = [json.loads(r) for r in (run / "inference_eval" /
+                                      "capibara_e2b_codegen-000004.jsonl").read_text().splitlines()]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["input"]["inputs_pretokenized"]}) + "\n"
+                               for r in logged))
+    out = tmp_path / "ours.jsonl"
+    subprocess.run([sys.executable, "-m", "capibara_exp.cli.generate", f"checkpoint={run}",
+                    f"prompts={prompts}", f"out={out}", "max_new_tokens=12"], check=True,
+                   timeout=600)
+    ours = [json.loads(r)["outputs"][0]["text"] for r in out.read_text().splitlines()]
+    for mine, theirs in zip(ours, logged, strict=True):
+        assert len(mine) >= 6 and theirs["prediction"].startswith(mine[:-3])

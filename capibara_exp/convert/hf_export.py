@@ -100,7 +100,7 @@ def _literal(text: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _model_of_dir(directory: Path) -> dict | None:
+def model_of_dir(directory: Path) -> dict | None:
     if (directory / "config.gin").is_file():  # a run (either engine, however started)
         return model_of_gin(directory / "config.gin")
     hydra = directory / ".hydra" / "config.yaml"
@@ -114,7 +114,7 @@ def _model_of_dir(directory: Path) -> dict | None:
                                r["candidates"][0]["checkpoint"]).parent)):
         if (directory / record).is_file():  # a LoRA export or a merge: its source run's
             try:
-                return _model_of_dir(Path(source(json.loads((directory / record).read_text()))))
+                return model_of_dir(Path(source(json.loads((directory / record).read_text()))))
             except (KeyError, IndexError, TypeError, ValueError):
                 return None
     return None
@@ -200,7 +200,7 @@ def export_model(checkpoint: str | Path, out: str | Path, model_entry: str | Non
         raise ConfigError(f"out={out}: exists and is not an empty directory")
     step_dir = locate(checkpoint)
     model = (compose_entry(model_entry, config_dir) if model_entry
-             else _model_of_dir(step_dir.parent))
+             else model_of_dir(step_dir.parent))
     if model is None:
         raise ConfigError(f"checkpoint={checkpoint}: no model entry beside it; name it with "
                           "model=<conf/model entry> (and config_dir= for your own entries)")

@@ -52,6 +52,7 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
         watcher.stop()
         keep_rendered_config(gin_path, rendered, run_dir)
         write_metrics(run_dir)
+        write_inference_metrics(run_dir)
         move_train_eval_events(run_dir)
     if result.returncode:
         raise RunError(f"t5x.train exited with status {result.returncode}; see its output above")
@@ -60,7 +61,9 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
         print(f"step {evaluation['step']}: eval loss {evaluation['loss']:.4f}"
               + (f" accuracy {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else ""),
               file=sys.stderr, flush=True)
-    return evaluation
+    from capibara_exp.runtime.metrics import final_metrics
+
+    return final_metrics(run_dir) or evaluation
 
 
 def resume_bindings(model_dir: Path, initial_checkpoint: str | None = None) -> list[str]:
@@ -159,6 +162,25 @@ def write_metrics(run_dir: Path) -> None:
     with path.open("a") as out:
         for record in records:
             out.write(json.dumps(record) + "\n")
+
+
+def write_inference_metrics(run_dir: Path) -> None:
+    """seqio's JSON logger lines (inference_eval/<task>-metrics.jsonl) into metrics.jsonl as
+    the local engine writes them: split 'inference_eval', keys '<task>/<metric>'."""
+    done = _recorded_steps(run_dir).get("inference_eval", -1)
+    by_step: dict[int, dict] = {}
+    wall = 0.0
+    for path in sorted((run_dir / "inference_eval").glob("*-metrics.jsonl")):
+        task, wall = path.name[:-len("-metrics.jsonl")], max(wall, path.stat().st_mtime)
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(int(row["step"]), {}).update(
+                {f"{task}/{k}": float(v) for k, v in row.items()
+                 if k != "step" and isinstance(v, (int, float))})
+    with (run_dir / METRICS).open("a") as out:
+        for step in sorted(s for s in by_step if s > done):
+            out.write(json.dumps({"step": step, "split": "inference_eval", "time": wall,
+                                  **by_step[step]}) + "\n")
 
 
 def _recorded_steps(run_dir: Path) -> dict[str, int]:

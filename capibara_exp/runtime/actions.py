@@ -13,7 +13,8 @@ from capibara_exp.runtime.trainer import BaseAction, TrainState
 
 
 def check_actions(actions: Mapping[str, Sequence[BaseAction]] | None,
-                   concurrent_metrics: bool) -> dict[str, list[BaseAction]]:
+                  concurrent_metrics: bool, infer_eval: bool = False
+                  ) -> dict[str, list[BaseAction]]:
     """T5X's action modes that the local engine runs: TRAIN_EVAL, and TRAIN after each train
     report (T5X runs TRAIN actions only with concurrent_metrics=False and skips them otherwise)."""
     actions = {mode: list(acts) for mode, acts in (actions or {}).items()}
@@ -21,10 +22,10 @@ def check_actions(actions: Mapping[str, Sequence[BaseAction]] | None,
     if unknown:
         raise ValueError(f"train_script.train.actions: modes {sorted(unknown)} are not T5X's "
                          "action modes (TRAIN, TRAIN_EVAL, INFER_EVAL)")
-    if actions.get("INFER_EVAL"):
+    if actions.get("INFER_EVAL") and not infer_eval:
         raise UnsupportedParameter(
-            "train_script.train.actions['INFER_EVAL'] would never run: the local engine has no "
-            "inference evaluation; bind the action under TRAIN_EVAL or run with engine=t5x")
+            "train_script.train.actions['INFER_EVAL'] would never run: no "
+            "train_script.train.infer_eval_dataset_cfg (the inference evaluation) is set")
     if actions.get("TRAIN") and concurrent_metrics:
         raise UnsupportedParameter(
             "train_script.train.actions['TRAIN'] needs train_script.train.concurrent_metrics = "

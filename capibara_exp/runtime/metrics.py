@@ -91,6 +91,17 @@ def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:
     return {k: v for k, v in last.items() if k not in ("step", "split", "time")} | {"step": last["step"]}
 
 
+def final_metrics(model_dir: str | Path) -> dict[str, float] | None:
+    """What a run returns (a sweep's objective): the last train_eval metrics and the last
+    inference_eval ones ('<task>/pass@1', ...) beside them."""
+    train_eval = last_metrics(model_dir, "train_eval")
+    infer = last_metrics(model_dir, "inference_eval") or {}
+    infer.pop("step", None)
+    if train_eval is None and not infer:
+        return None
+    return {**(train_eval or {}), **infer}
+
+
 class MetricsWriter:
     """One writer per run: JSON lines plus a TensorBoard directory per split."""
 

@@ -77,13 +77,13 @@ class DecoderOnlyModel:
         z_loss: float = 0.0,
         loss_normalizing_factor: float | None = None,
     ):
-        reject_unsupported("models.DecoderOnlyModel", decode_fn=decode_fn,
-                           feature_converter_cls=feature_converter_cls)
+        reject_unsupported("models.DecoderOnlyModel", feature_converter_cls=feature_converter_cls)
         factor = loss_normalizing_factor
         if factor is not None and not isinstance(factor, (int, float)):
             raise ValueError("models.DecoderOnlyModel.loss_normalizing_factor: the local engine "
                              f"takes a number or None, got {factor!r}")
         self.module = module
+        self.decode_fn = decode_fn  # T5X's decoding function of the inference eval
         self.vocabulary = vocabulary
         self.optimizer_def = optimizer_def
         self.inputs_bidirectional_attention = inputs_bidirectional_attention

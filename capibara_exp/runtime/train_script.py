@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
-from capibara_exp.runtime import checkpoints, inputs, lineage, monitor, resume
+from capibara_exp.runtime import checkpoints, infer_eval, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
 from capibara_exp.runtime.config import (
@@ -96,15 +96,16 @@ class _Run:
     lineage: list[dict] | None = None  # what the weights descend from (runtime/lineage.py)
     events: Events | None = None  # callback events beyond T5X's actions (runtime/events.py)
     stages: StagePlan | None = None  # a curriculum's per-stage settings (runtime/stages.py)
+    infer: Any = None  # the inference evaluator (runtime/infer_eval.py)
 
     @property
     def save_cfg(self) -> Any:
         return self.args["checkpoint_cfg"].save
 
     def close(self) -> None:
-        if self.saver:
-            self.saver.close()  # an in-flight save commits: it is a good checkpoint
+        self.saver and self.saver.close()  # an in-flight save commits: a good checkpoint
         self.writer.close()
+        self.infer and self.infer.close()
 
 
 def train(
@@ -169,11 +170,9 @@ def train(
 def _check_arguments(a: dict[str, Any]) -> None:
     """T5X parameters the local engine does not implement, and step counts, as errors."""
     reject_unsupported("train_script.train", **{k: a[k] for k in (
-        "infer_eval_dataset_cfg", "use_hardware_rng", "inference_evaluator_cls",
-        "get_dataset_fn", "train_eval_get_dataset_fn", "train_state_initializer_cls",
-        "verify_matching_vocabs_fn")})
-    require_value("train_script.train", "use_orbax", a["use_orbax"], True,
-                  "checkpoints with Orbax")
+        "use_hardware_rng", "get_dataset_fn", "train_eval_get_dataset_fn",
+        "train_state_initializer_cls", "verify_matching_vocabs_fn")})
+    require_value("train_script.train", "use_orbax", a["use_orbax"], True, "checkpoints with Orbax")
     require_value("train_script.train", "gc_period", a["gc_period"], 0,
                   "leaves garbage collection to Python")
     _check_counts(**{k: a[k] for k in ("total_steps", "eval_steps", "eval_period",
@@ -185,7 +184,8 @@ def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
     devices'), then build the state, the checkpointer and the loop's bookkeeping."""
     model, train_cfg, total = a["model"], a["train_dataset_cfg"], a["total_steps"]
     save_cfg = a["checkpoint_cfg"].save
-    actions = check_actions(a["actions"], a["concurrent_metrics"])
+    actions = check_actions(a["actions"], a["concurrent_metrics"],
+                            a["infer_eval_dataset_cfg"] is not None)
     epoch = _periods_check(total, a["eval_period"], save_cfg.period if save_cfg else None)
     if a["random_seed"] is None:
         a["random_seed"] = random.SystemRandom().randint(0, 2**31 - 1)
@@ -223,7 +223,7 @@ def _setup(a: dict[str, Any]) -> tuple[_Run, TrainState]:
                EventWriter(MetricsWriter(model_dir) if lead else NullWriter(), events),
                progress, _window(a, state, lead, model_dir),
                NanGuard(max_skips, lambda: _last_good(run)), watch, events=events,
-               stages=stages or None)
+               stages=stages or None, infer=infer_eval.make(a, model_dir) if lead else None)
     return run, state
 
 
@@ -261,8 +261,9 @@ def _loop(run: _Run, state: TrainState, start_step: int) -> tuple[int, TrainStat
     run.eval_batches = [global_batch(b, data_sharding) for b in _eval_batches(
         run.args["train_eval_dataset_cfg"], run.args["model"], run.args["eval_steps"])]
     step, stop = start_step, False
-    if run.args["run_eval_before_training"] and run.eval_batches:
-        stop = _evaluate_and_act(run, state, step)
+    if run.args["run_eval_before_training"]:
+        stop = run.eval_batches and _evaluate_and_act(run, state, step)
+        stop = (run.infer and infer_eval.evaluate_and_act(run, state, step)) or stop
     with Preemption() as preemption:
         while step < run.args["total_steps"] and not stop:
             host_batch = run.window.next_batch(train_iter)
@@ -307,8 +308,11 @@ def _after_step(run: _Run, state: TrainState, step: int) -> bool:
     extra = run.saver and step in set(save_cfg.checkpoint_steps or ())
     if end_of_epoch:
         metrics_by_task = {}
-        if run.eval_batches and (final or step % (run.args["eval_period"] or total) == 0):
+        evaluating = final or step % (run.args["eval_period"] or total) == 0
+        if run.eval_batches and evaluating:
             metrics_by_task = _train_eval(run, state, step)
+        if run.infer and evaluating:
+            stop = infer_eval.evaluate_and_act(run, state, step) or stop
         if run.saver and (final or step % (save_cfg.period or total) == 0):
             # The final save is waited for: TRAIN_EVAL actions (a consensus merge) read it.
             _save(run, state, step, "final" if final else "periodic", wait=final)

@@ -1,0 +1,96 @@
+"""The seqio task of execution-scored code generation from E2B logs, registered on import.
+
+`capibara_e2b_codegen`: one example per logged Python cell that ran without an error and
+printed something; `inputs` is the cell's first half of lines (at least one), `targets` the
+rest, and the logged stdout is kept to score against. Its metric runs prompt + prediction
+in the execution sandbox (generation/scoring.py: pass@1 and its interval, under T5X's
+metric names). Logs: $CAPIBARA_CODEGEN_LOGS (an E2B-format JSONL), else the collected logs
+of the built data ($CAPIBARA_DATA_DIR/.../logs/collected.jsonl). Splits: every 5th record
+is validation, the rest train.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import seqio
+import tensorflow as tf
+
+from capibara_exp.data.tasks import VOCABULARY, data_dir
+from capibara_exp.errors import ConfigError
+from capibara_exp.generation import scoring
+
+TASK = "capibara_e2b_codegen"
+LOGS_ENV = "CAPIBARA_CODEGEN_LOGS"
+FEATURES = {"inputs": seqio.Feature(VOCABULARY, add_eos=False),
+            "targets": seqio.Feature(VOCABULARY, add_eos=True)}
+
+
+def logs_path() -> Path:
+    """$CAPIBARA_CODEGEN_LOGS, else the collected logs of the data build (built first, as
+    the routing tasks build on first read); a ConfigError saying how when there are none."""
+    if os.environ.get(LOGS_ENV):
+        path = Path(os.environ[LOGS_ENV])
+    else:
+        from capibara_exp.data.e2b import build
+
+        build.ensure_built(data_dir())
+        path = build.dataset_dir(data_dir()) / "logs" / "collected.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{TASK}: no E2B logs at {path}; set ${LOGS_ENV} to an E2B-format "
+                          "JSONL file or collect some with capibara-exp-data")
+    return path
+
+
+def examples(path: Path) -> list[dict]:
+    """(prompt, rest, logged stdout) of each scoreable Python record, in file order."""
+    from capibara_exp.data.e2b import quarantine, records
+
+    out = []
+    q = quarantine.Quarantine()
+    for r in records.parse_records(path, q):
+        lines = r.code.splitlines(keepends=True)
+        if r.language != "python" or r.execution.error is not None or not r.stdout.strip() \
+                or len(lines) < 2:
+            continue
+        cut = max(1, len(lines) // 2)
+        out.append({"prompt": "".join(lines[:cut]), "rest": "".join(lines[cut:]),
+                    "stdout": r.stdout})
+    return out
+
+
+def _dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+    del shuffle_files, seed
+    rows = [e for i, e in enumerate(examples(logs_path()))
+            if (i % 5 == 4) == (split == "validation")]
+    return tf.data.Dataset.from_tensor_slices({
+        "inputs": tf.constant([r["prompt"] for r in rows], tf.string),
+        "targets": tf.constant([r["rest"] for r in rows], tf.string),
+        "stdout": tf.constant([r["stdout"] for r in rows], tf.string),
+    })
+
+
+def postprocess(output: str, example: dict | None = None, is_target: bool = False):
+    """Targets become what scoring needs (the prompt and the logged stdout)."""
+    if not is_target:
+        return output
+    text = lambda k: example[k].decode("utf-8") if isinstance(example[k], bytes) else example[k]  # noqa: E731
+    return {"prompt": text("inputs_pretokenized"), "stdout": text("stdout")}
+
+
+def register(name: str = TASK, **metric_options) -> str:
+    if name not in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.add(
+            name,
+            source=seqio.FunctionDataSource(_dataset_fn, splits=("train", "validation")),
+            preprocessors=[seqio.preprocessors.tokenize_and_append_eos],
+            output_features=FEATURES,
+            postprocess_fn=postprocess,
+            metric_fns=[functools.partial(scoring.codegen_metric, **metric_options)],
+        )
+    return name
+
+
+register()

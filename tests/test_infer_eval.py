@@ -1,0 +1,85 @@
+"""Evaluation by generation while training (T5X's infer-eval contract in the local engine)
+on the execution-scored E2B code-generation task, and its pass@1 as early-stopping metric,
+sweep objective and consensus gate metric."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import seqio
+
+from capibara_exp import meta_consensus
+from capibara_exp.runtime.metrics import final_metrics
+from tests.test_train import train
+
+PROGRAMS = [("x = 3\ny = 4\nprint(x * y)\n", "12\n"), ("for i in range(3):\n    print(i)\n",
+            "0\n1\n2\n"), ("a = 'ab'\nb = a * 2\nprint(b)\n", "abab\n"),
+            ("n = 5\nprint(sum(range(n)))\n", "10\n"), ("s = [3, 1, 2]\ns.sort()\nprint(s)\n",
+                                                         "[1, 2, 3]\n")] * 2
+INFER = ["infer_eval=codegen", "infer_eval.infer_eval_inputs_length=64",
+         "infer_eval.infer_eval_targets_length=16", "infer_eval.infer_eval_batch_size=2"]
+
+
+@pytest.fixture(autouse=True)
+def logs(tmp_path: Path, monkeypatch) -> Path:
+    """E2B-format logs of executed cells (the SDK's nested shape)."""
+    path = tmp_path / "e2b.jsonl"
+    rows = [{"id": f"c{i}", "language": "python", "code": code, "execution": {
+        "results": [], "logs": {"stdout": [out], "stderr": []}, "error": None,
+        "execution_count": 1}} for i, (code, out) in enumerate(PROGRAMS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("CAPIBARA_CODEGEN_LOGS", str(path))
+    return path
+
+
+def evaluate_with(predict) -> dict:
+    """seqio.Evaluator on the task's validation split with a given predict_fn."""
+    from capibara_exp.generation import codegen_task
+
+    task = seqio.get_mixture_or_task(codegen_task.register())
+    evaluator = seqio.Evaluator(codegen_task.TASK, seqio.DecoderFeatureConverter(pack=False),
+                                eval_split="validation",
+                                sequence_length={"inputs": 64, "targets": 32})
+    vocab = task.output_features["targets"].vocabulary
+    metrics, _ = evaluator.evaluate(compute_metrics=True, step=0, predict_fn=lambda ds: [
+        (i, vocab.encode(predict(ex))) for i, ex in ds.as_numpy_iterator()])
+    return metrics.result()[codegen_task.TASK]
+
+
+def test_the_task_scores_the_logged_programs_by_running_them() -> None:
+    from capibara_exp.generation import codegen_task
+
+    rows = codegen_task.examples(Path(codegen_task.logs_path()))
+    rest = {r["prompt"]: r["rest"] for r in rows}
+    vocab = seqio.ByteVocabulary()
+    oracle = evaluate_with(lambda ex: rest[vocab.decode(
+        [int(t) for t in ex["decoder_input_tokens"] * ex["decoder_causal_attention"] if t > 1])])
+    assert oracle["pass@1"] == 1.0
+    wrong = evaluate_with(lambda ex: "print('nope')\n")
+    assert wrong["pass@1"] == 0.0
+
+
+def test_training_runs_the_inference_eval_and_early_stopping_reads_it(tmp_path: Path,
+                                                                       data_dir) -> None:
+    run = tmp_path / "run"
+    train(run, "trainer.train_steps=4", "trainer.eval_period=2",
+          "checkpoint.checkpoint_period=2", *INFER)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    infer = [r for r in rows if r["split"] == "inference_eval"]
+    assert [r["step"] for r in infer] == [2, 4]
+    key = "capibara_e2b_codegen/pass@1"
+    assert all(0.0 <= r[key] <= 1.0 and r[key + "_low"] <= r[key] <= r[key + "_high"]
+               for r in infer)
+    assert (run / "inference_eval" / "capibara_e2b_codegen").is_dir()  # seqio's TensorBoard
+    assert (run / "inference_eval" / "capibara_e2b_codegen-metrics.jsonl").is_file()
+    assert final_metrics(run)[key] == infer[-1][key]  # what a sweep trial returns
+    assert meta_consensus.metric_of(run, f"inference_eval/{key}") == infer[-1][key]
+
+    stopped = tmp_path / "stopped"
+    train(stopped, "trainer.train_steps=8", "trainer.eval_period=2", *INFER,
+          "early_stopping=pass_at_k", "early_stopping.early_stopping_patience=1",
+          "early_stopping.early_stopping_atol=2.0")  # no gain can beat 2.0: stop at once
+    rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) < 8
