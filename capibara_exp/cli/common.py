@@ -1,6 +1,6 @@
 """What every console script shares: resolvers, the compose-time check, error lines and exit
-codes (0 success, 2 a user error: one line naming the key, file or line; 1 an internal
-failure, with its traceback)."""
+codes (0 success, 2 a user error: one line naming the key, file or line; 1 an internal or
+environment failure, one line (the traceback with verbose=true); 75 stopped by a signal)."""
 
 from __future__ import annotations
 

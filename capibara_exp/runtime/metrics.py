@@ -12,6 +12,8 @@ from typing import Any, TextIO
 
 from tensorboardX import SummaryWriter
 
+from capibara_exp.metrics_file import read_records, tell_damaged
+
 
 def summarize(sums: dict[str, float]) -> dict[str, float]:
     """Per-token averages from summed step metrics (sums over any number of steps)."""
@@ -81,9 +83,10 @@ def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:
     path = Path(model_dir) / "metrics.jsonl"
     if not path.exists():
         return None
+    records, damaged = read_records(path)
+    tell_damaged(path, damaged)
     last = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         if record.get("split") == split:
             last = record
     if last is None:
@@ -97,7 +100,10 @@ class MetricsWriter:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self.model_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.model_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.model_dir / "metrics.jsonl"
+        self._jsonl = open(path, "a", buffering=1)
+        if path.stat().st_size and not path.read_bytes()[-1:] == b"\n":
+            self._jsonl.write("\n")  # a line cut by a crash stays one damaged line
         self._tb: dict[str, SummaryWriter] = {}
 
     def tensorboard(self, split: str) -> SummaryWriter:

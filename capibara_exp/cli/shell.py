@@ -1,0 +1,149 @@
+"""The shell every console script's `main` runs in, from its first line to its last.
+
+- SIGTERM and SIGINT are handled from process start: before training's own handler takes
+  over (runtime/preemption.py), and again after it, a signal ends the process with status
+  75 and one line saying what was kept (a compile, a restore, a data build, a merge leave
+  nothing half-written that a later run would read).
+- An OSError (disk full, read-only file system, a path that is a file, a name too long) is
+  one line naming the path and the failure: exit 2 when the path is one the command line
+  named, 1 otherwise (the environment's).
+- Any other exception is one line naming it (exit 1); verbose=true on the command line or
+  CAPIBARA_VERBOSE=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from capibara_exp.errors import PREEMPTED_EXIT_CODE, Preempted
+
+USER_ERROR = 2
+RUN_FAILED = 1
+# Failures a path can have that the user chose (exit 2 when the path is theirs).
+PATH_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOENT,
+               errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTEMPTY}
+VERBOSE_ENV = "CAPIBARA_VERBOSE"
+Kept = Callable[[list[str]], str]
+
+
+def console(prog: str, kept: Kept | None = None) -> Callable:
+    """Decorate a console script's `main(argv=None)`; `kept(argv)` says in words what a
+    failure or a signal left (default: the inputs as they were)."""
+    def wrap(main: Callable) -> Callable:
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> object:
+            args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+            verbose = _verbose(args)
+            # Hydra prints a job's exception with a traceback and exits 1; let it through.
+            os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+            said = (lambda: kept(args)) if kept else (lambda: "the inputs are as they were")
+            previous = _install(prog, said)
+            try:
+                return main(argv)
+            except (SystemExit, GeneratorExit):
+                raise
+            except KeyboardInterrupt:
+                _stopped(prog, "SIGINT", said)
+            except OSError as err:
+                if verbose:
+                    raise
+                _os_failure(prog, err, args, said)
+            except Exception as err:  # noqa: BLE001 - the one place every failure ends
+                if verbose:
+                    raise
+                _internal(prog, err)
+            finally:
+                _restore(previous)
+            return None
+        return run
+    return wrap
+
+
+def _verbose(args: list[str]) -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0") or any(
+        a.replace(" ", "").lower() in ("verbose=true", "++verbose=true", "+verbose=true")
+        for a in args)
+
+
+def _install(prog: str, said: Callable[[], str]) -> dict:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the way out is quiet: no second one
+            signal.signal(sig, signal.SIG_IGN)
+        _stopped(prog, signal.Signals(signum).name, said)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _stopped(prog: str, name: str, said: Callable[[], str]) -> None:
+    message = f"stopped by {name} before training's own handler: {_safe(said)}; run the " \
+              "same command again to go on"
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
+    raise Preempted(message)
+
+
+def _safe(said: Callable[[], str]) -> str:
+    try:
+        return said()
+    except Exception:  # noqa: BLE001 - the message must not fail in turn
+        return "what was written before is kept"
+
+
+def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str]) -> None:
+    name = errno.errorcode.get(err.errno or 0, "")
+    where = " ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    reason = err.strerror or str(err) or type(err).__name__
+    mine = err.errno in PATH_ERRNOS and any(_named(f, args) for f in (err.filename,
+                                                                      err.filename2) if f)
+    text = f"{where}: {reason}" if where else reason
+    print(f"{prog}: {text}{f' ({name})' if name else ''}; {_safe(said)}", file=sys.stderr,
+          flush=True)
+    sys.exit(USER_ERROR if mine else RUN_FAILED)
+
+
+def _named(filename: object, args: list[str]) -> bool:
+    """Whether a failing path is (or lies under) a path the command line named."""
+    try:
+        failing = Path(os.path.abspath(os.fsdecode(filename)))
+    except (TypeError, ValueError):
+        return False
+    for arg in args:
+        for value in _path_values(arg):
+            try:
+                named = Path(os.path.abspath(value))
+            except (TypeError, ValueError):
+                continue
+            if failing == named or named in failing.parents:
+                return True
+    return False
+
+
+def _path_values(arg: str) -> list[str]:
+    value = arg.split("=", 1)[1] if "=" in arg else arg
+    return [v.strip(" '\"") for v in value.strip("[]").split(",") if v.strip(" '\"")]
+
+
+def _internal(prog: str, err: BaseException) -> None:
+    text = " ".join(str(err).split())[:300] or "(no message)"
+    print(f"{prog}: internal error: {type(err).__name__}: {text} (verbose=true or "
+          f"{VERBOSE_ENV}=1 shows the traceback)", file=sys.stderr, flush=True)
+    sys.exit(RUN_FAILED)
+
+
+__all__ = ["console", "PREEMPTED_EXIT_CODE"]
