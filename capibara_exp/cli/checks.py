@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from capibara_exp import config_check, config_schema, environment, gin_bridge
 from capibara_exp.cli import compose as composing
+from capibara_exp.cli import gin_flags
 from capibara_exp.cli.flags import CommandLine
 from capibara_exp.config_check import Composition
 from capibara_exp.errors import ConfigError
@@ -67,6 +68,7 @@ def check_run(comp: Composition, line: CommandLine) -> None:
     else:
         cfg = _bind_model_dir(cfg, str(Path(comp.cfg.hydra.run.dir).absolute()))
     text = gin_bridge.render(cfg, "local", GIN_DIR, sources(comp))
+    gin_flags.check(comp, cfg, text, line.gin_flags)
     if line.multirun or line.shows_config or cfg.engine.name == "tpu_vm":
         return
     from capibara_exp import experiment

@@ -36,6 +36,7 @@ class CommandLine:
     gin_files: list[str] = dataclasses.field(default_factory=list)
     gin_bindings: list[str] = dataclasses.field(default_factory=list)
     gin_search_paths: list[str] = dataclasses.field(default_factory=list)
+    gin_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # binding -> its flag
 
     @property
     def config_dirs(self) -> list[Path]:
@@ -106,6 +107,7 @@ def _t5x_flag(line: CommandLine, argv: list[str], i: int) -> int:
             raise ConfigError(f"{arg}: T5X's --gin.NAME=VALUE binds NAME = VALUE (a string "
                               "needs inner quotes: --gin.MODEL_DIR=\"'/tmp/run'\")")
         line.gin_bindings.append(f"{name} = {value}")
+        line.gin_flags[f"{name} = {value}"] = arg
         return 1
     name, eq, value = arg.partition("=")
     used = 1
