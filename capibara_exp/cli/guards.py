@@ -10,7 +10,10 @@ naming the key and the path (exit 2, nothing written).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path, PurePath
 
 from capibara_exp.errors import ConfigError
@@ -128,3 +131,38 @@ def _read_only(directory: Path) -> bool:
         return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def undone_if_refused(path: object) -> Iterator[None]:
+    """A command refused (exit 2) after it began writing `path`, a directory that was new or
+    empty: what it wrote there goes again, so a refusal leaves nothing."""
+    target = Path(str(path)).absolute()
+    missing = _outermost_missing(target)
+    was_empty = target.is_dir() and not any(target.iterdir())
+    try:
+        yield
+    except SystemExit as stop:
+        if stop.code == 2 and (missing is not None or was_empty):
+            _remove(missing if missing is not None else target, keep_root=missing is None)
+        raise
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    missing = None
+    while not path.exists() and path.parent != path:
+        path, missing = path.parent, path
+    return missing
+
+
+def _remove(path: Path, keep_root: bool) -> None:
+    if not path.is_dir():
+        return
+    if not keep_root:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)

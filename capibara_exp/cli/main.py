@@ -94,10 +94,15 @@ def main(argv: list[str] | None = None) -> None:
         check_paths(comp, line)
         with user_errors(PROG, prefix="configuration error: "):
             checks.check_run(comp, line)
-        hold_run_dir(comp, line)
     sys.argv = [sys.argv[0], *hydra_argv]
     register_sweeper()
-    _app()
+    if comp is None or not _writes_here(comp, line):
+        _app()
+        return
+    run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
+    with guards.undone_if_refused(run_dir):
+        hold_run_dir(comp, line)
+        _app()
 
 
 if __name__ == "__main__":

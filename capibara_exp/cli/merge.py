@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     if comp is not None:  # a merge, not --help: TensorFlow (seqio's) without its notices
         environment.import_tensorflow()
     sys.argv = [sys.argv[0], *hydra_argv]
-    _app()
+    if comp is None or line.shows_config:
+        _app()
+        return
+    with guards.undone_if_refused(comp.cfg.out):
+        _app()
 
 
 if __name__ == "__main__":
