@@ -11,6 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from capibara_exp import environment
 from capibara_exp.cli.common import checked_argv, fail, user_errors
+from capibara_exp.cli.shell import console
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-tune-mesh"
@@ -35,6 +36,7 @@ def _app(cfg: DictConfig) -> dict:
 SETTINGS = "tune_mesh"
 
 
+@console(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.
