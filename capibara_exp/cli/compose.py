@@ -55,6 +55,14 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
         except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
                 yaml.YAMLError) as err:
             raise ConfigError(_composition_error(err, config_name, dirs)) from None
+        except RecursionError:
+            raise ConfigError("the defaults lists include each other without end (a config "
+                              "that includes itself, directly or through others)") from None
+        except (ValueError, TypeError, OSError, UnicodeError) as err:
+            # Hydra's own refusals of the command line (`engine=null`: "Config group override
+            # must be a string or a list"; a 5,000-digit integer; a key too long for a
+            # file name) and unreadable config files: what the user typed or wrote.
+            raise ConfigError(_odd_input(err)) from None
     choices = dict(cfg.hydra.runtime.choices)
 
     def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
@@ -219,6 +227,18 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
     cause = err.__cause__ or err.__context__
     text = message.strip() or (str(cause).strip() if cause else "") or type(err).__name__
     return text.splitlines()[0]
+
+
+def _odd_input(err: Exception) -> str:
+    if isinstance(err, OSError):
+        where = f" ({str(err.filename)[:80]})" if err.filename else ""
+        return f"cannot read a config file{where}: {err.strerror or err}"
+    if isinstance(err, UnicodeError):
+        return f"a config file is not UTF-8 text: {err}"
+    text = " ".join(str(err).split())[:200]
+    if "Config group override must be" in text:
+        return f"a config group's option must be a name: {text}"
+    return f"cannot compose the command line: {text}"
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:

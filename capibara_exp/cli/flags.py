@@ -93,9 +93,29 @@ def parse(argv: list[str]) -> CommandLine:
                               f"{', '.join(_VALUE_FLAGS)}; T5X's --gin_file=F, --gin.X=V, "
                               "--gin_bindings=B, --gin_search_paths=D")
         else:
-            line.overrides.append(arg)
+            line.overrides.append(_sized(arg))
             i += 1
+    if any(a.split("=")[0] in ("--package", "-p") for a in line.flags) and not line.shows_config:
+        raise ConfigError("--package only chooses what --cfg shows (--cfg job --package "
+                          "model); without --cfg it does nothing")
     return line
+
+
+_LONG_NUMBER = re.compile(r"[-+]?\d{1000,}")
+MAX_KEY = 255
+
+
+def _sized(arg: str) -> str:
+    """An override whose key or number is beyond what any config holds, named before Hydra
+    tries it (a key becomes a file name; Python refuses integers over 4,300 digits)."""
+    key, _, value = arg.partition("=")
+    if len(key) > MAX_KEY:
+        raise ConfigError(f"an override key of {len(key)} characters ({key[:40]}...): no key "
+                          f"of the config is longer than {MAX_KEY}")
+    if _LONG_NUMBER.fullmatch(value.strip()):
+        raise ConfigError(f"{key}: an integer of {len(value.strip())} digits; no key takes "
+                          "a number that size")
+    return arg
 
 
 def _t5x_flag(line: CommandLine, argv: list[str], i: int) -> int:
