@@ -30,10 +30,13 @@ def hold(directory: str | Path, what: str = "model_dir") -> str | None:
     path = directory / LOCK_NAME
     note = None
     for _ in range(3):
-        if _create(path):
+        # A live holder is refused before this process writes anything there.
+        if not path.exists() and _create(path):
             atexit.register(release, path)
             return note
         holder = _read(path)
+        if holder is None and not path.exists():
+            continue  # released between the two looks
         if holder is not None and _alive(holder):
             if holder.get("pid") == os.getpid() and holder.get("host") == _host():
                 return note  # this process took it already (a second job of one multirun)

