@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import checked_argv, user_errors
-from capibara_exp.cli.shell import console
+from capibara_exp.cli.shell import console, job
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR
 
@@ -26,6 +26,7 @@ PROG = "capibara-exp-data"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
+@job
 def _app(cfg: DictConfig) -> None:
     from capibara_exp.data.e2b import build
 

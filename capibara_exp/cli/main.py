@@ -21,7 +21,7 @@ from capibara_exp.cli.common import (
     run_failed,
     user_errors,
 )
-from capibara_exp.cli.shell import console
+from capibara_exp.cli.shell import console, job
 from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.paths import CONF_DIR
 
@@ -29,6 +29,7 @@ PROG = "capibara-exp"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+@job
 def _app(cfg: DictConfig) -> dict | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

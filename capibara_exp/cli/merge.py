@@ -11,13 +11,14 @@ from omegaconf import DictConfig
 from capibara_exp import environment
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import checked_argv, user_errors
-from capibara_exp.cli.shell import console
+from capibara_exp.cli.shell import console, job
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-merge"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
+@job
 def _app(cfg: DictConfig) -> None:
     from capibara_exp.consensus import command
     from capibara_exp.consensus.gate import ConsensusError

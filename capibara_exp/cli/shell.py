@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import signal
 import sys
@@ -41,29 +42,72 @@ def console(prog: str, kept: Kept | None = None) -> Callable:
         def run(argv: list[str] | None = None) -> object:
             args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
             verbose = _verbose(args)
-            # Hydra prints a job's exception with a traceback and exits 1; let it through.
+            # Hydra prints a job's exception with a traceback and exits 1; let it through,
+            # without its own line before ours.
             os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+            if not verbose:
+                logging.getLogger("hydra.core.utils").addFilter(_HYDRA_JOB_ERROR)
             said = (lambda: kept(args)) if kept else (lambda: "the inputs are as they were")
             previous = _install(prog, said)
+            _current[:] = [(prog, args, said, verbose)]
             try:
                 return main(argv)
             except (SystemExit, GeneratorExit):
                 raise
-            except KeyboardInterrupt:
-                _stopped(prog, "SIGINT", said)
-            except OSError as err:
-                if verbose:
-                    raise
-                _os_failure(prog, err, args, said)
-            except Exception as err:  # noqa: BLE001 - the one place every failure ends
-                if verbose:
-                    raise
-                _internal(prog, err)
+            except BaseException as err:  # noqa: BLE001 - the one place every failure ends
+                _handle(err)
             finally:
                 _restore(previous)
             return None
         return run
     return wrap
+
+
+_current: list[tuple] = []  # (prog, args, kept, verbose) of the console script running
+
+
+def _handle(err: BaseException) -> None:
+    """One line and the exit status for an exception that ends a console script."""
+    prog, args, said, verbose = _current[0]
+    if isinstance(err, KeyboardInterrupt):
+        _stopped(prog, "SIGINT", said)
+    if verbose:
+        raise err
+    if isinstance(err, OSError):
+        _os_failure(prog, err, args, said)
+    _internal(prog, err)
+
+
+def job(task: Callable) -> Callable:
+    """Decorate a Hydra task function: its failure ends the process as `console` says, here
+    (Hydra would print a line of its own first). A multirun's job raises on: the sweeper
+    records it as failed and goes on."""
+    @functools.wraps(task)
+    def run(*a: object, **k: object) -> object:
+        try:
+            return task(*a, **k)
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as err:  # noqa: BLE001
+            if not _current or _multirun():
+                raise
+            _handle(err)
+        return None
+    return run
+
+
+def _multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _quiet_job_error(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Error executing job")
+
+
+_HYDRA_JOB_ERROR = _quiet_job_error
 
 
 def _verbose(args: list[str]) -> bool:

@@ -11,13 +11,14 @@ from omegaconf import DictConfig, open_dict
 
 from capibara_exp import environment
 from capibara_exp.cli.common import checked_argv, fail, user_errors
-from capibara_exp.cli.shell import console
+from capibara_exp.cli.shell import console, job
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-tune-mesh"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+@job
 def _app(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
