@@ -136,8 +136,7 @@ def _restore(previous: dict) -> None:
 
 
 def _stopped(prog: str, name: str, said: Callable[[], str]) -> None:
-    message = f"stopped by {name} before training's own handler: {_safe(said)}; run the " \
-              "same command again to go on"
+    message = f"stopped by {name}: {_safe(said)}; run the same command again to go on"
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
     raise Preempted(message)
 
