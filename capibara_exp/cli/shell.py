@@ -17,6 +17,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -148,10 +149,25 @@ def _safe(said: Callable[[], str]) -> str:
         return "what was written before is kept"
 
 
+def _original(err: OSError) -> OSError:
+    """The OSError with its errno and path: gin re-raises a copy holding only the text
+    ("[Errno 28] No space left on device ... In call to configurable 'train'")."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    found = re.match(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]+)')?", str(err))
+    if found:
+        return OSError(int(found.group(1)), found.group(2).strip(), found.group(3))
+    return err
+
+
 def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str]) -> None:
+    err = _original(err)
     name = errno.errorcode.get(err.errno or 0, "")
     where = " ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
-    reason = err.strerror or str(err) or type(err).__name__
+    reason = err.strerror or (str(err).splitlines() or [type(err).__name__])[0]
     mine = err.errno in PATH_ERRNOS and any(_named(f, args) for f in (err.filename,
                                                                       err.filename2) if f)
     text = f"{where}: {reason}" if where else reason

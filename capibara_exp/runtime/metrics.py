@@ -91,7 +91,8 @@ def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:
             last = record
     if last is None:
         return None
-    return {k: v for k, v in last.items() if k not in ("step", "split", "time")} | {"step": last["step"]}
+    return {k: v for k, v in last.items() if k not in ("step", "split", "time")} | \
+        {"step": last["step"]}
 
 
 class MetricsWriter:
@@ -114,7 +115,11 @@ class MetricsWriter:
     def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
         record = {"step": int(step), "split": split, "time": time.time(),
                   **{k: float(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+        except OSError as err:  # a full disk: name the file (a write's error does not)
+            raise OSError(err.errno, err.strerror, str(self.model_dir / "metrics.jsonl")) \
+                from None
         tb = self.tensorboard(split)
         for key, value in metrics.items():
             tb.add_scalar(key, float(value), int(step))
