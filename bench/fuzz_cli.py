@@ -25,6 +25,9 @@ SHARE = {"capibara-exp": 0.35, "capibara-exp-merge": 0.15, "capibara-exp-data": 
          "capibara-exp-convert": 0.1, "capibara-exp-lora": 0.1}
 
 
+ones: list = []
+
+
 def fuzz(script: str, examples: int, seed: int, results: list, failures: list) -> None:
     @hypothesis_seed(seed)
     @settings(max_examples=examples, deadline=None, database=None,
@@ -33,6 +36,8 @@ def fuzz(script: str, examples: int, seed: int, results: list, failures: list) -
     def check(argv: list[str]) -> None:
         code, err, problem = fuzz_cli.run_case(script, argv)
         results.append((script, code))
+        if code == 1:  # an environment failure from an argument: worth reading
+            ones.append((script, argv, err[-300:]))
         if problem:
             failures.append((script, argv, problem, err[-500:]))
 
@@ -43,11 +48,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=random.randrange(2**31))
-    args = parser.parse_args()
     results: list = []
     failures: list = []
     start = time.perf_counter()
+    parser.add_argument("--only", help="one script")
+    args = parser.parse_args()
     for script, share in SHARE.items():
+        if args.only and script != args.only:
+            continue
         fuzz(script, max(1, int(args.examples * share)), args.seed, results, failures)
     took = time.perf_counter() - start
     print(f"seed {args.seed}: {len(results)} cases in {took:.0f} s")
@@ -58,6 +66,8 @@ def main() -> int:
               " ".join(f"{counts.get(c, 0):>7}" for c in sorted(fuzz_cli.SAFE_CODES)))
     for script, argv, problem, err in failures[:20]:
         print(f"FAIL {script} {argv!r}: {problem}\n  {err!r}")
+    for script, argv, err in ones[:10]:
+        print(f"exit 1: {script} {argv!r}\n  {err.strip()!r}")
     print(f"{len(failures)} failing case(s)")
     return 1 if failures else 0
 

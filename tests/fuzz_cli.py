@@ -5,8 +5,9 @@ interpolations, sweep functions), Hydra's and T5X's flags, and paths of every ki
 a file, an input run dir, missing parents, over-long names, /proc, /dev/full).
 
 The property, for each generated command line run through the script's own `main` in
-this process: the exit status is 0, 1, 2 or 75; nothing prints a traceback; a refusal
-(2) is one line on stderr and leaves the sandbox (inputs, cwd) exactly as it was (hashes
+this process: the exit status is 0, 1, 2 or 75; nothing prints a traceback or an internal
+error (exit 1 is for the environment only: a full device, a path it cannot reach); a
+refusal (2) is one line on stderr and leaves the sandbox (inputs, cwd) exactly as it was (hashes
 and mtimes). What comes after the checks is the library's work, not the argument
 handling: there the script's job (Hydra's task function, or the library call of the
 scripts without Hydra) is replaced by `Accepted`, an exit 0.
@@ -227,6 +228,8 @@ def _problem(code: int, text: str, before: dict, after: dict) -> str:
         return f"exit status {code}"
     if "Traceback (most recent call last)" in text:
         return "a traceback"
+    if code == 1 and "internal error:" in text:
+        return "an internal error from an argument (a check is missing)"
     if code in (1, 2) and len(lines) != 1:
         return f"exit {code} with {len(lines)} lines on stderr"
     if code == 2 and before != after:

@@ -23,6 +23,8 @@ _BARE_FLAGS = {"--help": "-h", "--hydra-help": None, "--version": None, "--resol
 _INFORMING = {"--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc",
               "--info", "-i", "--experimental-rerun"}
 _INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+_FLAG_NAMES = {*_VALUE_FLAGS, *_BARE_FLAGS, *(v for v in (*_VALUE_FLAGS.values(),
+                                                         *_BARE_FLAGS.values()) if v)}
 T5X_FLAGS = ("--gin_file", "--gin_bindings", "--gin_search_paths", "--gin.")
 _OVERRIDE = re.compile(r"^[+~]{0,2}[\w.@/-]+=\S*$")  # key=value, as Hydra overrides are written
 
@@ -78,7 +80,7 @@ def parse(argv: list[str]) -> CommandLine:
             continue
         if name in _VALUE_FLAGS or name in _VALUE_FLAGS.values():
             takes = 1 if "=" in arg else 2
-            if takes == 2 and i + 1 >= len(argv):
+            if takes == 2 and (i + 1 >= len(argv) or argv[i + 1].split("=")[0] in _FLAG_NAMES):
                 raise ConfigError(f"{arg} needs a value")
             line.flags += argv[i:i + takes]
             i += takes
