@@ -74,6 +74,11 @@ MAIN_CASES = [
     (["engine=64"], "engine=64: a config group takes an option's name, not 64"),
     (["~trainer", "trainer.train_steps=1"], "trainer.train_steps"),
     (["--package=x"], "--package only chooses what --cfg shows"),
+    (["--config-dir", "--config-dir"], "--config-dir needs a value"),
+    # a sweep's settings, before the sweep dir exists
+    (["-m", "hydra/sweeper=capibara_optuna", "hydra.sweeper.sampler=rando",
+      "trainer.train_steps=choice(2,3)"], "hydra.sweeper.sampler=rando: not one of tpe, random"),
+    (["-m", "hydra/sweeper=capibara_optuna"], "define no search dimension"),
 ]
 
 
@@ -102,7 +107,7 @@ def test_capibara_exp_refuses_in_one_line_and_writes_nothing(args, message, tmp_
     paths = _sandbox(tmp_path)
     monkeypatch.chdir(tmp_path)
     args = _fill(args, paths, tmp_path)
-    if not any(a.startswith("model_dir=") for a in args):
+    if not any(a.startswith("model_dir=") for a in args) and "-m" not in args:
         args.append(f"model_dir={tmp_path}/model")
     _no_job(monkeypatch, cli, args)
     before = snapshot(tmp_path)
@@ -273,3 +278,33 @@ def test_os_failures_are_one_line_with_the_path(tmp_path: Path, capsys) -> None:
         write([f"out={tmp_path / 'afile_missing' / 'x'}"])
     lines = capsys.readouterr().err.splitlines()
     assert stopped.value.code == 2 and "No such file or directory (ENOENT)" in lines[0]
+
+
+def test_a_merge_of_different_models_is_refused_not_a_merge_of_one(tmp_path: Path) -> None:
+    """Two checkpoints whose kernels differ in shape: the gate used to reject one and write
+    the other as the "merge"; now one line names the difference, exit 2, no output."""
+    import subprocess
+
+    import numpy as np
+
+    from capibara_exp.consensus import store
+
+    for name, rows in (("a", 2), ("b", 3)):
+        store.write(tmp_path / name, 2, {("target", "dense", "kernel"):
+                                         np.ones((rows, 2), np.float32),
+                                         ("state", "step"): np.array(2)})
+    before = snapshot(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "capibara_exp.cli.merge", f"runs=[{tmp_path}/a,{tmp_path}/b]",
+         f"out={tmp_path}/merged", "method=median", "gate.max_val_loss_ratio=null",
+         "gate.max_distance_ratio=null", "gate.require_shared_ancestor=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert "the candidates hold different models" in lines[0]
+    assert "target.dense.kernel is (3, 2) float32, others have (2, 2)" in lines[0]
+    # refused inside the merge (the candidates are read there): the out dir it began is
+    # removed again, and the candidates are as they were
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k != "."} == \
+        {k: v for k, v in before.items() if k != "."}

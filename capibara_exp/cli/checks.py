@@ -119,6 +119,15 @@ def check_sweep(comp: Composition) -> None:
                 if k != "_target_"}
     study.SweepSettings(**settings)
     searched = space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
+    if not searched.distributions:
+        raise ConfigError("hydra.sweeper.params and the command line define no search "
+                          "dimension (use choice(...), range(...), interval(...))")
+    from capibara_exp import optuna_study
+
+    sampler, names = settings.get("sampler"), optuna_study.SAMPLER_NAMES
+    if sampler not in names:
+        raise ConfigError(f"hydra.sweeper.sampler={sampler}: not one of {', '.join(names)}"
+                          f"{config_check.did_you_mean(str(sampler), names)}")
     for key, dist in searched.distributions.items():
         for value in _sweep_values(dist):
             _check_swept(comp, key, value)

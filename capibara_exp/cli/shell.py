@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from capibara_exp.errors import PREEMPTED_EXIT_CODE, Preempted
+from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 USER_ERROR = 2
 RUN_FAILED = 1
@@ -74,6 +74,10 @@ def _handle(err: BaseException) -> None:
         _stopped(prog, "SIGINT", said)
     if verbose:
         raise err
+    if isinstance(err, ConfigError):  # raised past the checks (a sweeper's settings)
+        one_line = " ".join(str(err).split())
+        print(f"{prog}: configuration error: {one_line}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR)
     if isinstance(err, OSError):
         _os_failure(prog, err, args, said)
     _internal(prog, err)
