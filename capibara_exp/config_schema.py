@@ -321,6 +321,7 @@ DATA_BUILD_RULES: dict[str, Rule] = {
     "data_dir": PathRule(),
     "collect.max_per_source": Int(1, null=True), "collect.cell_timeout_s": Float(gt=0.0),
     "collect.memory_mb": POSITIVE, "max_line_bytes": POSITIVE,
+    "filters.languages": ListOf(Rule("str"), null=True),
     "filters.min_quality": Float(0.0), "filters.min_code_chars": Int(0),
     "filters.max_code_chars": POSITIVE,
     "playbooks.min_success_rate": Float(0.0, le=1.0), "playbooks.top_k_per_domain": POSITIVE,
