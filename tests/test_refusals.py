@@ -75,6 +75,7 @@ MAIN_CASES = [
     (["~trainer", "trainer.train_steps=1"], "trainer.train_steps"),
     (["--package=x"], "--package only chooses what --cfg shows"),
     (["--config-dir", "--config-dir"], "--config-dir needs a value"),
+    (["--resolve", "~name=null"], "Interpolation key 'name' not found"),
     # a sweep's settings, before the sweep dir exists
     (["-m", "hydra/sweeper=capibara_optuna", "hydra.sweeper.sampler=rando",
       "trainer.train_steps=choice(2,3)"], "hydra.sweeper.sampler=rando: not one of tpe, random"),
