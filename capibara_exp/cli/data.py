@@ -40,17 +40,18 @@ def _app(cfg: DictConfig) -> None:
 
 
 def check_paths(cfg: DictConfig) -> None:
-    """The input logs and playbooks exist; data_dir is a directory this process can write
-    (or make) that none of them lies in: checked before anything is made."""
+    """The input logs and playbooks exist, none inside the dir the build rewrites; data_dir
+    is a directory this process can write (or make): checked before anything is made."""
     inputs = {}
     for key in ("logs", "playbooks"):
         for i, path in enumerate(cfg.inputs.get(key) or []):
             inputs[f"inputs.{key}[{i}]"] = guards.existing_input(f"inputs.{key}[{i}]", path)
     data_dir = guards.writable_dir("data_dir", cfg.data_dir)
+    built = (data_dir / "e2b_routing").resolve()  # build.dataset_dir: what a build rewrites
     for key, path in inputs.items():
-        if data_dir.resolve() in path.resolve().parents:
-            raise ConfigError(f"{key}={path}: lies inside data_dir={data_dir}, which the build "
-                              "writes; inputs are read-only, so keep them elsewhere")
+        if built in path.resolve().parents:
+            raise ConfigError(f"{key}={path}: lies inside {built}, which the build rewrites; "
+                              "inputs are read-only, so keep them elsewhere")
 
 
 @console(PROG)
