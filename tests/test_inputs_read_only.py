@@ -2,7 +2,7 @@
 that run as an input leaves its tree as it was (hashes and mtimes of every file and dir),
 whether it succeeds or is refused; a refusal writes no output; SIGTERM while a run starts,
 compiles or restores is status 75 and one line; a full disk is one line, exit 1, with the
-newest checkpoint intact."""
+newest checkpoint intact; damaged metrics lines do not stop a resume."""
 
 from __future__ import annotations
 
@@ -124,3 +124,20 @@ def test_a_full_disk_is_one_line_and_the_newest_checkpoint_is_kept(run: Path, tm
     assert "No space left on device (ENOSPC)" in last and "checkpoint_" in last, out.stderr
     assert "Traceback" not in out.stderr
     assert snapshot(model_dir / "checkpoint_4") == kept
+
+
+def test_a_resume_over_damaged_metrics_lines_says_so_once_and_trains_on(
+        run: Path, tmp_path: Path, data_dir: Path) -> None:
+    """A metrics.jsonl with binary garbage and a line cut mid-record (a crash, a full disk):
+    the resume trains on, says once how many lines it left out, and appends after them."""
+    model_dir = tmp_path / "damaged"
+    subprocess.run(["cp", "-a", str(run), str(model_dir)], check=True)
+    with (model_dir / "metrics.jsonl").open("ab") as out:
+        out.write(b"\xff\xfe garbage\n{\"step\": 5, \"spl")
+    out = call("main", *TINY, f"data_dir={data_dir}", f"model_dir={model_dir}",
+               "trainer.train_steps=6", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("damaged line(s) left out") == 1, out.stderr
+    from capibara_exp.runtime.metrics import last_metrics
+
+    assert last_metrics(model_dir, "train")["step"] == 6

@@ -309,3 +309,39 @@ def test_a_merge_of_different_models_is_refused_not_a_merge_of_one(tmp_path: Pat
     after = snapshot(tmp_path)
     assert {k: v for k, v in after.items() if k != "."} == \
         {k: v for k, v in before.items() if k != "."}
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A directory this process cannot write: permissions for a user, a read-only tmpfs
+    mount for root (who writes through permissions)."""
+    import subprocess
+
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() != 0:
+        target.chmod(0o555)
+        yield target
+        target.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"root without mount rights cannot make a read-only dir: {mounted.stderr}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=False)
+
+
+@pytest.mark.parametrize("where", ["{ro}", "{ro}/run"])
+def test_a_read_only_model_dir_is_one_line_not_a_logging_traceback(
+        where: str, read_only_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = [f"model_dir={where.format(ro=read_only_dir)}", "debug=fast"]
+    _no_job(monkeypatch, cli, args)
+    before = snapshot(read_only_dir)
+    code, lines = _run(cli.main, args, capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert f"{read_only_dir} cannot be written (read-only or no permission)" in lines[0]
+    assert snapshot(read_only_dir) == before
