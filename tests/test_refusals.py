@@ -38,6 +38,9 @@ def _sandbox(root: Path) -> dict[str, Path]:
         "# @package _global_\ndefaults:\n  - /experiment/selfref\n")
     (conf / "model" / "dup.yaml").write_text("emb_dim: 32\nemb_dim: 64\n")
     (conf / "model" / "broken.yaml").write_text("emb_dim: [64\n")
+    (conf / "experiment" / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
+    (root / "primary").mkdir()
+    (root / "primary" / "config.yaml").write_text("a: [1\n")
     (root / "plotdir").mkdir()
     return {"file": root / "afile", "run": run, "conf": conf}
 
@@ -67,6 +70,9 @@ MAIN_CASES = [
     (["--config-dir={conf}", "experiment=selfref"], "include each other without end"),
     (["--config-dir={conf}", "model=broken"], "broken.yaml:2:1: malformed YAML"),
     (["--config-dir={conf}", "model=dup"], "dup.yaml:2:1: malformed YAML: found duplicate key"),
+    (["--config-dir={root}/primary"], "primary/config.yaml:2:1: malformed YAML"),
+    (["--config-dir={conf}", "model.emb_dm=3"], "did you mean 'model.emb_dim'?"),  # beside
+    # a binary file in the --config-dir, which the suggestions do not read
     # what Hydra refuses with a traceback of its own
     (["k" * 5000 + "=1"], "an override key of 5000 characters"),
     (["model.emb_dim=" + "9" * 5000], "model.emb_dim: an integer of 5000 digits"),

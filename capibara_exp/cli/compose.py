@@ -129,7 +129,18 @@ def _yaml(path: Path) -> dict:
 @functools.lru_cache(maxsize=512)
 def _load_yaml(path: str, mtime_ns: int, size: int) -> dict:
     del mtime_ns, size  # the cache key: a changed file is read again
-    return yaml.safe_load(Path(path).read_text()) or {}
+    data = Path(path).read_bytes()
+    try:
+        loaded = yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a YAML file (not UTF-8 text: byte {err.start})") \
+            from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _setters(config_name: str, choices: dict[str, str | None], defaults: list,
@@ -179,7 +190,7 @@ def known_keys(config_name: str, dirs: list[Path]) -> set[str]:
             group = file.parent.name
             try:
                 data = dict(_yaml(file))
-            except yaml.YAMLError:
+            except ConfigError:  # a broken file the command does not use: no suggestions
                 continue
             if "@package _global_" not in file.read_text():
                 data = {group: data}
