@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -46,8 +47,11 @@ def console(prog: str, kept: Kept | None = None) -> Callable:
             # Hydra prints a job's exception with a traceback and exits 1; let it through,
             # without its own line before ours.
             os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+            hooks = (sys.excepthook, sys.unraisablehook, logging.raiseExceptions,
+                     threading.excepthook)
             if not verbose:
                 logging.getLogger("hydra.core.utils").addFilter(_HYDRA_JOB_ERROR)
+                _quiet_libraries()
             said = (lambda: kept(args)) if kept else (lambda: "the inputs are as they were")
             previous = _install(prog, said)
             _current[:] = [(prog, args, said, verbose)]
@@ -59,9 +63,18 @@ def console(prog: str, kept: Kept | None = None) -> Callable:
                 _handle(err)
             finally:
                 _restore(previous)
+                if not _console_process():  # called in a process that goes on (tests)
+                    sys.excepthook, sys.unraisablehook, logging.raiseExceptions, \
+                        threading.excepthook = hooks
             return None
         return run
     return wrap
+
+
+def _console_process() -> bool:
+    first = sys.argv[0] if sys.argv else ""
+    return os.path.basename(first).startswith("capibara-exp") or \
+        first.replace(os.sep, "/").endswith("capibara_exp/cli/__main__.py")
 
 
 _current: list[tuple] = []  # (prog, args, kept, verbose) of the console script running
@@ -80,7 +93,14 @@ def _handle(err: BaseException) -> None:
         sys.exit(USER_ERROR)
     if isinstance(err, OSError):
         _os_failure(prog, err, args, said)
+    full = _FULL_DISK.search(str(err))
+    if full:  # tensorstore's (orbax's) report of a full disk, as a ValueError
+        _os_failure(prog, OSError(errno.ENOSPC, "No space left on device (writing a "
+                                  "checkpoint)", full.group(1)), args, said)
     _internal(prog, err)
+
+
+_FULL_DISK = re.compile(r"RESOURCE_EXHAUSTED: Error writing .*? at local file \"([^\"]+)\"")
 
 
 def job(task: Callable) -> Callable:
@@ -115,6 +135,47 @@ def _quiet_job_error(record: logging.LogRecord) -> bool:
 _HYDRA_JOB_ERROR = _quiet_job_error
 
 
+class _OneLine(logging.Filter):
+    """A library's log record without its traceback, on one line (verbose=true: whole)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.exc_text:
+            record.exc_info, record.exc_text = None, None
+            record.msg = " ".join(str(record.getMessage()).split())[:300]
+            record.args = ()
+        return True
+
+
+def _quiet_libraries() -> None:
+    """Libraries' background threads (orbax's savers, asyncio loops) print tracebacks of
+    their own when a disk fills; kept to one line each, or none once the process is ending."""
+    for name in ("absl", "orbax", "jax", "asyncio", "tensorflow", ""):
+        logging.getLogger(name).addFilter(_OneLine())
+    threading.excepthook = _quiet_thread
+    # tensorstore's callbacks print through sys.excepthook ("Event loop is closed" per
+    # pending write); a log file on the full disk makes logging print its own traceback
+    sys.excepthook = lambda kind, value, tb: _thread_errors.append(value)
+    sys.unraisablehook = lambda unraisable: _thread_errors.append(unraisable.exc_value)
+    logging.raiseExceptions = False
+
+
+def _quiet_thread(args: object) -> None:
+    exc = getattr(args, "exc_value", None)
+    if exc is not None and not isinstance(exc, SystemExit):
+        _thread_errors.append(exc)
+
+
+_thread_errors: list[BaseException] = []
+
+
+def _ending() -> None:
+    """After a console script's last line: what library threads and the interpreter's
+    shutdown print is not for the user (a traceback per thread of a failed save)."""
+    if _console_process():
+        sys.stderr.flush()
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - until the process ends
+
+
 def _verbose(args: list[str]) -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0") or any(
         a.replace(" ", "").lower() in ("verbose=true", "++verbose=true", "+verbose=true")
@@ -143,6 +204,7 @@ def _restore(previous: dict) -> None:
 def _stopped(prog: str, name: str, said: Callable[[], str]) -> None:
     message = f"stopped by {name}: {_safe(said)}; run the same command again to go on"
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
+    _ending()
     raise Preempted(message)
 
 
@@ -177,6 +239,7 @@ def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str
     text = f"{where}: {reason}" if where else reason
     print(f"{prog}: {text}{f' ({name})' if name else ''}; {_safe(said)}", file=sys.stderr,
           flush=True)
+    _ending()
     sys.exit(USER_ERROR if mine else RUN_FAILED)
 
 
@@ -206,6 +269,7 @@ def _internal(prog: str, err: BaseException) -> None:
     text = " ".join(str(err).split())[:300] or "(no message)"
     print(f"{prog}: internal error: {type(err).__name__}: {text} (verbose=true or "
           f"{VERBOSE_ENV}=1 shows the traceback)", file=sys.stderr, flush=True)
+    _ending()
     sys.exit(RUN_FAILED)
 
 
