@@ -141,3 +141,26 @@ def test_a_resume_over_damaged_metrics_lines_says_so_once_and_trains_on(
     from capibara_exp.runtime.metrics import last_metrics
 
     assert last_metrics(model_dir, "train")["step"] == 6
+
+
+def test_a_disk_that_fills_while_a_checkpoint_is_saved_is_one_line(tmp_path: Path,
+                                                                   data_dir: Path) -> None:
+    """A 300 KB file system (a tmpfs; mounting one needs root): the first checkpoint does
+    not fit. orbax's threads fail one after another; the console shows one line, exit 1,
+    and no half-written checkpoint is left as a checkpoint."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small file system needs mount rights: {mounted.stderr.strip()}")
+    try:
+        out = call("main", *TINY, f"data_dir={data_dir}", f"model_dir={disk / 'run'}",
+                   cwd=tmp_path)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        last = lines(out.stderr)[-1]
+        assert "No space left on device (ENOSPC)" in last and str(disk / "run") in last
+        assert not list((disk / "run").glob("checkpoint_[0-9]*"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
