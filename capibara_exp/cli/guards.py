@@ -58,6 +58,18 @@ def writable_dir(key: str, value: object) -> Path:
     return path
 
 
+def dir_or_creatable(key: str, value: object) -> Path:
+    """A directory that is read if it is there (a shared data dir may be read-only), or made
+    if it is not: an existing one must be a directory; a missing one must be creatable."""
+    path = given(key, value)
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{key}={path}: is a file, not a directory")
+        return path
+    _creatable(key, path)
+    return path
+
+
 def new_output(key: str, value: object, inputs: dict[str, object]) -> Path:
     """An output directory: new or empty, and neither one of `inputs` (key -> path) nor
     inside one nor holding one."""

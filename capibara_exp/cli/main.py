@@ -67,12 +67,13 @@ def _writes_here(comp, line) -> bool:
 
 
 def check_paths(comp, line) -> None:
-    """The run dir and the data dir are directories this process can write (or make)."""
+    """The run dir is a directory this process can write (or make); the data dir one it
+    can read (or make)."""
     if not _writes_here(comp, line):
         return
     with user_errors(PROG, prefix="configuration error: "):
         guards.writable_dir("model_dir", comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir)
-        guards.writable_dir("data_dir", comp.cfg.data_dir)
+        guards.dir_or_creatable("data_dir", comp.cfg.data_dir)  # built data may be read-only
 
 
 def hold_run_dir(comp, line) -> None:
