@@ -160,7 +160,9 @@ def test_a_disk_that_fills_while_a_checkpoint_is_saved_is_one_line(tmp_path: Pat
         assert out.returncode == 1, out.stderr[-3000:]
         assert "Traceback" not in out.stderr, out.stderr[-3000:]
         last = lines(out.stderr)[-1]
-        assert "No space left on device (ENOSPC)" in last and str(disk / "run") in last
+        # which write fails first varies (a metrics line, the checkpoint's writer threads)
+        assert "No space left on device" in last and "(ENOSPC)" in last, out.stderr
+        assert str(disk / "run") in last
         assert not list((disk / "run").glob("checkpoint_[0-9]*"))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
