@@ -85,7 +85,8 @@ def did_you_mean(name: str, candidates: Any) -> str:
     candidates = sorted(set(candidates))
     if "." in name:
         group, last = name.rsplit(".", 1)
-        peers = {c.rsplit(".", 1)[1]: c for c in candidates if c.rsplit(".", 1)[0] == group}
+        peers = {c.rsplit(".", 1)[1]: c for c in candidates
+                 if "." in c and c.rsplit(".", 1)[0] == group}
         close = difflib.get_close_matches(last, sorted(peers), n=1, cutoff=0.6)
         if close:
             return f"; did you mean '{peers[close[0]]}'?"

@@ -138,6 +138,21 @@ def infer(value: Any) -> Rule | None:
 POSITIVE = Int(1)
 
 
+def _a_path(value: str) -> bool:
+    return bool(value.strip()) and "\0" not in value
+
+
+def _a_name(value: str) -> bool:
+    parts = value.replace("\\", "/").split("/")
+    return _a_path(value) and not value.startswith("/") and not {".", ".."} & set(parts)
+
+
+def PathRule(null: bool = False) -> Rule:  # noqa: N802
+    """A file or directory: an empty one would mean the current directory."""
+    return Rule("str", valid=_a_path, null=null,
+                says="a path (not empty: an empty one would mean the current directory)")
+
+
 def _is_topology(name: str) -> bool:
     try:
         return name == "cpu" or bool(topologies.get(name))
@@ -151,9 +166,10 @@ SCHEDULE_FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalize
 # capibara-exp (conf/config.yaml and its groups). Keys are dotted paths; a map value's own
 # keys are free (task_feature_lengths: {targets: 128}).
 RULES: dict[str, Rule] = {
-    "name": Rule("str"),
-    "model_dir": Rule("str", null=True),
-    "data_dir": Rule("str"),
+    "name": Rule("str", valid=_a_name, says="a name under outputs/ (not empty, not absolute, "
+                                            "no '.' or '..' parts)"),
+    "model_dir": PathRule(null=True),
+    "data_dir": PathRule(),
     "random_seed": Int(0, null=True),
     "topology": Rule("str", valid=_is_topology,
                      says="cpu, a TPU slice (v4-8 ... v4-512, v5e-1 ... v5e-256, v5p-8 ... "
@@ -162,7 +178,7 @@ RULES: dict[str, Rule] = {
     "gin_bindings": ListOf(Rule("str")),
     "gin_files": ListOf(Rule("str")),
     "gin_search_paths": ListOf(Rule("str")),
-    "compilation_cache_dir": Rule("str", null=True),
+    "compilation_cache_dir": PathRule(null=True),
     "sweep_trial": MapOf(Rule("any"), null=True),
     "distributed.mode": Choice("single", "auto", "explicit"),
     "distributed.coordinator_address": Rule("str", null=True),
@@ -224,7 +240,7 @@ RULES: dict[str, Rule] = {
     # checkpoint
     "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
     "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),
-    "checkpoint.initial_checkpoint": Rule("str", null=True),
+    "checkpoint.initial_checkpoint": PathRule(null=True),
     # engine
     "engine.name": Choice("local", "t5x", "tpu_vm"), "engine.runtime": Choice("t5x", "local"),
     "engine.python": Rule("str", null=True), "engine.extra_flags": ListOf(Rule("str")),
@@ -244,7 +260,7 @@ RULES: dict[str, Rule] = {
     "nan_guard.max_consecutive_skips": POSITIVE,
     "curriculum.curriculum_stages": ListOf(MapOf(Rule("any"))),
     "router_supervision.router_supervision_factor": Float(0.0),
-    "lora.base_checkpoint": Rule("str"), "lora.rank": POSITIVE, "lora.alpha": Float(gt=0.0),
+    "lora.base_checkpoint": PathRule(), "lora.rank": POSITIVE, "lora.alpha": Float(gt=0.0),
     "lora.dropout": RATE, "lora.quantize_base": Choice("none", "nf4", "int4", "int8"),
     "lora.quantize_block_size": Int(1, null=True),
     "lora.target_axes": ListOf(ListOf(Rule("str"))), "lora.target_modules": ListOf(Rule("str")),
@@ -280,8 +296,11 @@ RULES: dict[str, Rule] = {
 MERGE_RULES: dict[str, Rule] = {
     # The merge methods' own parameters (weights, num_byzantine, ...) take their rules from
     # consensus/registry.py (merge_param_rule).
-    "runs": Rule("any"), "out": Rule("str"), "last_k": Int(1, null=True),
-    "base": Rule("str", null=True), "eval_config": Rule("str", null=True),
+    "runs": Rule("any", valid=lambda v: all(isinstance(r, str) and _a_path(r) for r in (
+        [v] if isinstance(v, str) else v if isinstance(v, list | tuple) else [None])),
+        says="a run or checkpoint dir, or a list of them (no empty path)"),
+    "out": PathRule(), "last_k": Int(1, null=True),
+    "base": PathRule(null=True), "eval_config": PathRule(null=True),
     "eval_batches": Int(0, null=True), "report_batches": Int(0, null=True),
     "gate.max_val_loss": Float(null=True), "gate.max_val_loss_ratio": Float(gt=0.0, null=True),
     "gate.max_distance_ratio": Float(gt=0.0, null=True),
@@ -291,7 +310,7 @@ MERGE_RULES: dict[str, Rule] = {
     "fedavg.clip_norm": Float(gt=0.0, null=True), "fedavg.noise_multiplier": Float(0.0),
     "fedavg.target_delta": Float(gt=0.0, lt=1.0), "fedavg.seed": Int(0),
     "fedavg.fraction_fit": Float(gt=0.0, le=1.0), "fedavg.min_fit_clients": POSITIVE,
-    "fedavg.initial_checkpoint": Rule("str", null=True), "fedavg.proximal_mu": Float(0.0),
+    "fedavg.initial_checkpoint": PathRule(null=True), "fedavg.proximal_mu": Float(0.0),
     "fedavg.aggregation": Choice("uniform", "median", "trimmed_mean", "krum", "multi_krum",
                                  "geometric_median"),
     "fedavg.num_byzantine": Int(0), "fedavg.num_selected": Int(1, null=True),
@@ -304,7 +323,7 @@ MERGE_RULES: dict[str, Rule] = {
     "fedavg.poison": Choice("sign_flip", "scaled", "noise"),
 }
 DATA_BUILD_RULES: dict[str, Rule] = {
-    "data_dir": Rule("str"),
+    "data_dir": PathRule(),
     "collect.max_per_source": Int(1, null=True), "collect.cell_timeout_s": Float(gt=0.0),
     "collect.memory_mb": POSITIVE, "max_line_bytes": POSITIVE,
     "filters.languages": ListOf(Rule("str"), null=True),
@@ -316,7 +335,7 @@ DATA_BUILD_RULES: dict[str, Rule] = {
 }
 # capibara-exp-meta (conf/meta.yaml, conf/meta_consensus/; meta_consensus.py checks the rest)
 META_RULES: dict[str, Rule] = {
-    "out": Rule("str"), "meta_consensus.gate.threshold": Float(null=True),
+    "out": PathRule(), "meta_consensus.gate.threshold": Float(null=True),
     "meta_consensus.gate.max_ratio": Float(1.0, null=True),
     "meta_consensus.gate.min_pass_fraction": Float(0.0, le=1.0),
     "meta_consensus.gate.mode": Choice("min", "max"),

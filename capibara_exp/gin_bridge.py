@@ -260,10 +260,23 @@ def _gin_files(cfg: DictConfig) -> list[tuple[str, list[str]]]:
     return out
 
 
+def read_gin_text(path: Path) -> str:
+    """A user's gin file as text; one that is not UTF-8 (binary, UTF-16) is named."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a gin file (not UTF-8 text: byte {err.start} is "
+                          f"{data[err.start:err.start + 1]!r})") from None
+    if "\0" in text:
+        raise ConfigError(f"{path}: not a gin file (it holds NUL bytes)")
+    return text
+
+
 def _user_gin_lines(path: Path, search: list[str], seen: tuple[str, ...]) -> list[str]:
     aliases = {line.split()[-1] for line in ENGINE_HEADERS["local"] + COMMON_IMPORTS}
     lines = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(read_gin_text(path).splitlines(), start=1):
         stripped = line.strip()
         inc = _INCLUDE_RE.match(stripped)
         imported = _IMPORT_RE.match(stripped)

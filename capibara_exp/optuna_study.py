@@ -43,6 +43,9 @@ class _AskTellGridSampler(optuna.samplers.GridSampler):
         del study, trial, state, values
 
 
+SAMPLER_NAMES = ("tpe", "random", "cmaes", "gp", "grid", "nsgaii")  # make_sampler's
+
+
 def make_sampler(name: str, seed: int | None, options: Mapping[str, Any] | None = None, *,
                  key: str, grid: Callable[[], dict[str, list]] | None = None,
                  multi_objective: bool = False) -> optuna.samplers.BaseSampler:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -22,10 +21,15 @@ _LAYER_RE = re.compile(r"^experts/(layers_\d+)/(\w+)$")
 
 def read_records(run_dir: Path) -> list[dict]:
     """The records of RUN_DIR/metrics.jsonl (one JSON object per line)."""
+    from capibara_exp.metrics_file import read_records as read
+    from capibara_exp.metrics_file import tell_damaged
+
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, damaged = read(path)
+    tell_damaged(path, damaged)
+    return records
 
 
 def series(records: list[dict], split: str, key: str) -> tuple[list[int], list[float]]:

@@ -149,9 +149,9 @@ def test_a_model_directory_that_does_not_fit_is_refused_in_one_line(
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["import", "hf_dir=/nonexistent", "out=x"], "not a directory"),
+    (["import", "hf_dir=/nonexistent", "out=x"], "hf_dir=/nonexistent: no such file"),
     (["import", "out=x"], "missing hf_dir=..."),
-    (["export", "checkpoint=/nonexistent", "out=y"], "no checkpoint_<step>/state"),
+    (["export", "checkpoint=/nonexistent", "out=y"], "checkpoint=/nonexistent: no such file"),
     (["sentencepiece", "out=m.txt"], "ends in .model"),
     (["convert", "a=b"], "unknown command 'convert'"),
     (["import", "hf_dir=a", "out="], "is not key=value with a value"),
@@ -169,7 +169,7 @@ def test_import_into_a_non_empty_directory_is_refused(tmp_path: Path, capsys) ->
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     code, _, err = run_cli(["import", f"hf_dir={hf_dir}", f"out={tmp_path / 'out'}"], capsys)
-    assert code == 2 and "is not an empty directory" in err
+    assert code == 2 and "exists and is not empty" in err
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 

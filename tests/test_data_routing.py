@@ -411,7 +411,8 @@ def test_capibara_exp_data_builds_with_overrides(log_file: Path, tmp_path: Path)
     )
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
-        "capibara-exp-data: inputs.logs[0]: /no/such.jsonl is not a file"
+        "capibara-exp-data: configuration error: inputs.logs[0]=/no/such.jsonl: no such file "
+        "or directory"
     ]
     built_names = sorted(p.name for p in build.dataset_dir(tmp_path).iterdir())
     assert built_names == [  # no Hydra run dir or log file

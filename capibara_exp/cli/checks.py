@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from capibara_exp import config_check, config_schema, environment, gin_bridge
 from capibara_exp.cli import compose as composing
+from capibara_exp.cli import gin_flags
 from capibara_exp.cli.flags import CommandLine
 from capibara_exp.config_check import Composition
 from capibara_exp.errors import ConfigError
@@ -67,6 +68,7 @@ def check_run(comp: Composition, line: CommandLine) -> None:
     else:
         cfg = _bind_model_dir(cfg, str(Path(comp.cfg.hydra.run.dir).absolute()))
     text = gin_bridge.render(cfg, "local", GIN_DIR, sources(comp))
+    gin_flags.check(comp, cfg, text, line.gin_flags)
     if line.multirun or line.shows_config or cfg.engine.name == "tpu_vm":
         return
     from capibara_exp import experiment
@@ -117,6 +119,15 @@ def check_sweep(comp: Composition) -> None:
                 if k != "_target_"}
     study.SweepSettings(**settings)
     searched = space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
+    if not searched.distributions:
+        raise ConfigError("hydra.sweeper.params and the command line define no search "
+                          "dimension (use choice(...), range(...), interval(...))")
+    from capibara_exp import optuna_study
+
+    sampler, names = settings.get("sampler"), optuna_study.SAMPLER_NAMES
+    if sampler not in names:
+        raise ConfigError(f"hydra.sweeper.sampler={sampler}: not one of {', '.join(names)}"
+                          f"{config_check.did_you_mean(str(sampler), names)}")
     for key, dist in searched.distributions.items():
         for value in _sweep_values(dist):
             _check_swept(comp, key, value)

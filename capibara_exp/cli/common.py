@@ -1,6 +1,6 @@
 """What every console script shares: resolvers, the compose-time check, error lines and exit
-codes (0 success, 2 a user error: one line naming the key, file or line; 1 an internal
-failure, with its traceback)."""
+codes (0 success, 2 a user error: one line naming the key, file or line; 1 an internal or
+environment failure, one line (the traceback with verbose=true); 75 stopped by a signal)."""
 
 from __future__ import annotations
 
@@ -50,11 +50,16 @@ def run_failed(prog: str, err: BaseException) -> None:
 
 @contextlib.contextmanager
 def user_errors(prog: str, *types: type[BaseException], prefix: str = "") -> Iterator[None]:
-    """Turn the given exception types (ConfigError always) into one line and exit 2; any
+    """Turn the given exception types (ConfigError and OmegaConf's errors, such as an
+    interpolation of a key the command line deleted, always) into one line and exit 2; any
     other exception stays an internal failure."""
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         yield
     except (ConfigError, *types) as err:
+        fail(prog, f"{prefix}{err}")
+    except OmegaConfBaseException as err:  # a value the user's config cannot resolve
         fail(prog, f"{prefix}{err}")
 
 

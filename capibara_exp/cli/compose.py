@@ -55,6 +55,14 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
         except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
                 yaml.YAMLError) as err:
             raise ConfigError(_composition_error(err, config_name, dirs)) from None
+        except RecursionError:
+            raise ConfigError("the defaults lists include each other without end (a config "
+                              "that includes itself, directly or through others)") from None
+        except (ValueError, TypeError, OSError, UnicodeError) as err:
+            # Hydra's own refusals of the command line (`engine=null`: "Config group override
+            # must be a string or a list"; a 5,000-digit integer; a key too long for a
+            # file name) and unreadable config files: what the user typed or wrote.
+            raise ConfigError(_bad_group_value(overrides, dirs) or _odd_input(err)) from None
     choices = dict(cfg.hydra.runtime.choices)
 
     def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
@@ -121,7 +129,18 @@ def _yaml(path: Path) -> dict:
 @functools.lru_cache(maxsize=512)
 def _load_yaml(path: str, mtime_ns: int, size: int) -> dict:
     del mtime_ns, size  # the cache key: a changed file is read again
-    return yaml.safe_load(Path(path).read_text()) or {}
+    data = Path(path).read_bytes()
+    try:
+        loaded = yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a YAML file (not UTF-8 text: byte {err.start})") \
+            from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _setters(config_name: str, choices: dict[str, str | None], defaults: list,
@@ -171,7 +190,7 @@ def known_keys(config_name: str, dirs: list[Path]) -> set[str]:
             group = file.parent.name
             try:
                 data = dict(_yaml(file))
-            except yaml.YAMLError:
+            except ConfigError:  # a broken file the command does not use: no suggestions
                 continue
             if "@package _global_" not in file.read_text():
                 data = {group: data}
@@ -219,6 +238,35 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
     cause = err.__cause__ or err.__context__
     text = message.strip() or (str(cause).strip() if cause else "") or type(err).__name__
     return text.splitlines()[0]
+
+
+def _bad_group_value(overrides: list[str], dirs: list[Path]) -> str | None:
+    """`engine=null`, `engine=64`: a config group given something other than an option name."""
+    groups = {d.name for root in dirs for d in group_dirs(root)}
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - only for the message; Hydra's own error stands
+        return None
+    for override in parsed:
+        value = override.value()
+        if override.key_or_group in groups and not isinstance(value, str | list):
+            options = sorted({f.stem for root in dirs
+                              for f in (root / override.key_or_group).glob("*.yaml")})
+            return (f"{override.input_line}: a config group takes an option's name, not "
+                    f"{value!r} (choose from {', '.join(options)})")
+    return None
+
+
+def _odd_input(err: Exception) -> str:
+    if isinstance(err, OSError):
+        where = f" ({str(err.filename)[:80]})" if err.filename else ""
+        return f"cannot read a config file{where}: {err.strerror or err}"
+    if isinstance(err, UnicodeError):
+        return f"a config file is not UTF-8 text: {err}"
+    text = " ".join(str(err).split())[:200]
+    if "Config group override must be" in text:
+        return f"a config group's option must be a name: {text}"
+    return f"cannot compose the command line: {text}"
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:

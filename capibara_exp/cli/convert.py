@@ -23,7 +23,9 @@ import json
 import sys
 
 from capibara_exp import environment
+from capibara_exp.cli import guards
 from capibara_exp.cli.common import fail, user_errors
+from capibara_exp.cli.shell import console
 
 PROG = "capibara-exp-convert"
 # command -> (required keys, optional keys)
@@ -104,6 +106,17 @@ def run(command: str, keys: dict) -> dict:
                                   keys.get("dtype"), shard)
 
 
+def check_paths(command: str, keys: dict[str, str]) -> None:
+    """Inputs exist; the output is new (or an empty dir) and overlaps no input."""
+    inputs = {k: guards.existing_input(k, keys[k])
+              for k in ("hf_dir", "checkpoint", "config_dir") if k in keys}
+    if command == "sentencepiece":
+        guards.new_file("out", keys["out"], inputs)
+    else:
+        guards.new_output("out", keys["out"], inputs)
+
+
+@console(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -111,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, keys = parse(argv)
     typed = _typed(keys)
+    with user_errors(PROG):
+        check_paths(command, keys)
     environment.prepare()  # quiet native logs and the platform choice, before JAX loads
     environment.import_tensorflow()  # (seqio, via the data package) without its notices
     with user_errors(PROG):

@@ -16,13 +16,17 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp.cli import guards
 from capibara_exp.cli.common import checked_argv, user_errors
+from capibara_exp.cli.shell import console, job
+from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-data"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
+@job
 def _app(cfg: DictConfig) -> None:
     from capibara_exp.data.e2b import build
 
@@ -35,8 +39,28 @@ def _app(cfg: DictConfig) -> None:
     print(json.dumps(build.summary(manifest, data_dir), indent=2, ensure_ascii=False))
 
 
+def check_paths(cfg: DictConfig) -> None:
+    """The input logs and playbooks exist, none inside the dir the build rewrites; data_dir
+    is a directory this process can write (or make): checked before anything is made."""
+    inputs = {}
+    for key in ("logs", "playbooks"):
+        for i, path in enumerate(cfg.inputs.get(key) or []):
+            inputs[f"inputs.{key}[{i}]"] = guards.existing_input(f"inputs.{key}[{i}]", path)
+    data_dir = guards.writable_dir("data_dir", cfg.data_dir)
+    built = (data_dir / "e2b_routing").resolve()  # build.dataset_dir: what a build rewrites
+    for key, path in inputs.items():
+        if built in path.resolve().parents:
+            raise ConfigError(f"{key}={path}: lies inside {built}, which the build rewrites; "
+                              "inputs are read-only, so keep them elsewhere")
+
+
+@console(PROG)
 def main(argv: list[str] | None = None) -> None:
-    _, _, hydra_argv = checked_argv(PROG, "data_build", sys.argv[1:] if argv is None else argv)
+    line, comp, hydra_argv = checked_argv(PROG, "data_build",
+                                          sys.argv[1:] if argv is None else argv)
+    if comp is not None and not line.shows_config:
+        with user_errors(PROG, prefix="configuration error: "):
+            check_paths(comp.cfg)
     sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 

@@ -23,6 +23,8 @@ _BARE_FLAGS = {"--help": "-h", "--hydra-help": None, "--version": None, "--resol
 _INFORMING = {"--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc",
               "--info", "-i", "--experimental-rerun"}
 _INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+_FLAG_NAMES = {*_VALUE_FLAGS, *_BARE_FLAGS, *(v for v in (*_VALUE_FLAGS.values(),
+                                                         *_BARE_FLAGS.values()) if v)}
 T5X_FLAGS = ("--gin_file", "--gin_bindings", "--gin_search_paths", "--gin.")
 _OVERRIDE = re.compile(r"^[+~]{0,2}[\w.@/-]+=\S*$")  # key=value, as Hydra overrides are written
 
@@ -36,6 +38,7 @@ class CommandLine:
     gin_files: list[str] = dataclasses.field(default_factory=list)
     gin_bindings: list[str] = dataclasses.field(default_factory=list)
     gin_search_paths: list[str] = dataclasses.field(default_factory=list)
+    gin_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # binding -> its flag
 
     @property
     def config_dirs(self) -> list[Path]:
@@ -77,7 +80,7 @@ def parse(argv: list[str]) -> CommandLine:
             continue
         if name in _VALUE_FLAGS or name in _VALUE_FLAGS.values():
             takes = 1 if "=" in arg else 2
-            if takes == 2 and i + 1 >= len(argv):
+            if takes == 2 and (i + 1 >= len(argv) or argv[i + 1].split("=")[0] in _FLAG_NAMES):
                 raise ConfigError(f"{arg} needs a value")
             line.flags += argv[i:i + takes]
             i += takes
@@ -92,9 +95,29 @@ def parse(argv: list[str]) -> CommandLine:
                               f"{', '.join(_VALUE_FLAGS)}; T5X's --gin_file=F, --gin.X=V, "
                               "--gin_bindings=B, --gin_search_paths=D")
         else:
-            line.overrides.append(arg)
+            line.overrides.append(_sized(arg))
             i += 1
+    if any(a.split("=")[0] in ("--package", "-p") for a in line.flags) and not line.shows_config:
+        raise ConfigError("--package only chooses what --cfg shows (--cfg job --package "
+                          "model); without --cfg it does nothing")
     return line
+
+
+_LONG_NUMBER = re.compile(r"[-+]?\d{1000,}")
+MAX_KEY = 255
+
+
+def _sized(arg: str) -> str:
+    """An override whose key or number is beyond what any config holds, named before Hydra
+    tries it (a key becomes a file name; Python refuses integers over 4,300 digits)."""
+    key, _, value = arg.partition("=")
+    if len(key) > MAX_KEY:
+        raise ConfigError(f"an override key of {len(key)} characters ({key[:40]}...): no key "
+                          f"of the config is longer than {MAX_KEY}")
+    if _LONG_NUMBER.fullmatch(value.strip()):
+        raise ConfigError(f"{key}: an integer of {len(value.strip())} digits; no key takes "
+                          "a number that size")
+    return arg
 
 
 def _t5x_flag(line: CommandLine, argv: list[str], i: int) -> int:
@@ -106,6 +129,7 @@ def _t5x_flag(line: CommandLine, argv: list[str], i: int) -> int:
             raise ConfigError(f"{arg}: T5X's --gin.NAME=VALUE binds NAME = VALUE (a string "
                               "needs inner quotes: --gin.MODEL_DIR=\"'/tmp/run'\")")
         line.gin_bindings.append(f"{name} = {value}")
+        line.gin_flags[f"{name} = {value}"] = arg
         return 1
     name, eq, value = arg.partition("=")
     used = 1

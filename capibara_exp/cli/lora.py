@@ -12,7 +12,9 @@ from __future__ import annotations
 import sys
 
 from capibara_exp import environment
+from capibara_exp.cli import guards
 from capibara_exp.cli.common import fail, user_errors
+from capibara_exp.cli.shell import console
 
 PROG = "capibara-exp-lora"
 # command -> (required keys, optional keys)
@@ -41,6 +43,7 @@ def parse(argv: list[str]) -> tuple[str, dict[str, str]]:
     return command, keys
 
 
+@console(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     step = keys.get("step")
     if step is not None and not step.isdigit():
         fail(PROG, f"step={step}: expected a checkpoint step (an integer)")
+    with user_errors(PROG):
+        run_dir = guards.existing_input("run_dir", keys["run_dir"])
+        guards.new_output("out", keys["out"], {"run_dir": run_dir})
     environment.prepare()  # quiet native logs and the platform choice, before JAX loads
     environment.import_tensorflow()  # (gin's config imports seqio) without its start-up notices
     with user_errors(PROG):

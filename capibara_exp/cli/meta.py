@@ -8,9 +8,10 @@ import sys
 
 from omegaconf import DictConfig
 
-from capibara_exp.cli import checks
+from capibara_exp.cli import checks, guards
 from capibara_exp.cli import compose as composing
 from capibara_exp.cli.common import checked_argv, run_failed, user_errors
+from capibara_exp.cli.shell import console
 from capibara_exp.errors import RunError
 
 PROG = "capibara-exp-meta"
@@ -27,12 +28,15 @@ def compose_member(overrides: list[str]) -> tuple[DictConfig, dict]:
     return checks.without_hydra(comp.cfg), dict(comp.choices)
 
 
+@console(PROG)
 def main(argv: list[str] | None = None) -> None:
     line, comp, _ = checked_argv(PROG, "meta", sys.argv[1:] if argv is None else argv)
     if comp is None:  # --help and the like
         print(__doc__.strip() + "\nusage: capibara-exp-meta meta_consensus=<name> out=<dir> "
               "[meta_consensus.KEY=VALUE ...]  (conf/meta.yaml, conf/meta_consensus/)")
         return
+    with user_errors(PROG, prefix="configuration error: "):
+        guards.writable_dir("out", comp.cfg.out)
     from capibara_exp import experiment, meta_consensus
     from capibara_exp.consensus.gate import ConsensusError
 

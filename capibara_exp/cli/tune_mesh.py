@@ -11,12 +11,14 @@ from omegaconf import DictConfig, open_dict
 
 from capibara_exp import environment
 from capibara_exp.cli.common import checked_argv, fail, user_errors
+from capibara_exp.cli.shell import console, job
 from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp-tune-mesh"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+@job
 def _app(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
@@ -35,6 +37,7 @@ def _app(cfg: DictConfig) -> dict:
 SETTINGS = "tune_mesh"
 
 
+@console(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.

@@ -74,6 +74,9 @@ def run_merge(cfg: DictConfig) -> dict:
         candidates = store.last_k(runs[0], int(cfg.last_k), bool(cfg.use_ema))
         if not candidates:
             raise FileNotFoundError(f"{runs[0]}: no finished checkpoint to merge (last_k)")
+        if len(candidates) < cfg.last_k:
+            raise ValueError(f"last_k={cfg.last_k}: {runs[0]} has {len(candidates)} finished "
+                             f"checkpoint(s); last_k must be at most that")
     else:
         candidates = [store.candidate_from_path(r, use_ema=bool(cfg.use_ema)) for r in runs]
     evaluator, report_evaluator = _evaluators(cfg, candidates[0].step_dir,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
+from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import integrity
 
 TARGET: LeafPath = ("target",)
@@ -145,6 +146,12 @@ def precheck(candidates: list[Candidate], cfg: GateConfig, pool: ThreadPoolExecu
         fail(candidates, gate.rejected, cfg)
     common, _ = Counter(_signature(i) for i in indexes.values()).most_common(1)[0]
     gate.index = next(i for i in indexes.values() if _signature(i) == common)
+    alike = [name for name, i in indexes.items() if _signature(i) == common]
+    if len(indexes) > 1 and len(alike) == 1:  # no two of one model: a "merge" of one
+        other = next(n for n in indexes if n not in alike)
+        raise ConfigError(f"the candidates hold different models ({other}: "
+                          f"{_structure_diff(indexes[other], gate.index)}); "
+                          "a merge needs at least two checkpoints of one model")
     for c in list(gate.accepted):
         if _signature(indexes[c.name]) != common:
             gate.reject(c, _structure_diff(indexes[c.name], gate.index))

@@ -187,8 +187,9 @@ def _recorded_steps(run_dir: Path) -> dict[str, int]:
     """The last step metrics.jsonl holds, per split."""
     done: dict[str, int] = {}
     path = run_dir / METRICS
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        record = json.loads(line)
+    from capibara_exp.metrics_file import read_records
+
+    for record in read_records(path)[0] if path.is_file() else []:
         done[record["split"]] = max(done.get(record["split"], -1), record["step"])
     return done
 

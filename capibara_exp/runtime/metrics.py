@@ -12,6 +12,8 @@ from typing import Any, TextIO
 
 from tensorboardX import SummaryWriter
 
+from capibara_exp.metrics_file import read_records, tell_damaged
+
 
 def summarize(sums: dict[str, float]) -> dict[str, float]:
     """Per-token averages from summed step metrics (sums over any number of steps)."""
@@ -81,14 +83,16 @@ def last_metrics(model_dir: str | Path, split: str) -> dict[str, float] | None:
     path = Path(model_dir) / "metrics.jsonl"
     if not path.exists():
         return None
+    records, damaged = read_records(path)
+    tell_damaged(path, damaged)
     last = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         if record.get("split") == split:
             last = record
     if last is None:
         return None
-    return {k: v for k, v in last.items() if k not in ("step", "split", "time")} | {"step": last["step"]}
+    return {k: v for k, v in last.items() if k not in ("step", "split", "time")} | \
+        {"step": last["step"]}
 
 
 def final_metrics(model_dir: str | Path) -> dict[str, float] | None:
@@ -108,7 +112,10 @@ class MetricsWriter:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self.model_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.model_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.model_dir / "metrics.jsonl"
+        self._jsonl = open(path, "a", buffering=1)
+        if path.stat().st_size and not path.read_bytes()[-1:] == b"\n":
+            self._jsonl.write("\n")  # a line cut by a crash stays one damaged line
         self._tb: dict[str, SummaryWriter] = {}
 
     def tensorboard(self, split: str) -> SummaryWriter:
@@ -119,7 +126,11 @@ class MetricsWriter:
     def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
         record = {"step": int(step), "split": split, "time": time.time(),
                   **{k: float(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+        except OSError as err:  # a full disk: name the file (a write's error does not)
+            raise OSError(err.errno, err.strerror, str(self.model_dir / "metrics.jsonl")) \
+                from None
         tb = self.tensorboard(split)
         for key, value in metrics.items():
             tb.add_scalar(key, float(value), int(step))

@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from capibara_exp.data.e2b.heldout import generated
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import parse_records
 from capibara_exp.data.e2b.report import BuildError
+from capibara_exp.errors import ConfigError
 
 DATASET = "e2b_routing"
 SOURCES = ("e2b_logs", "ace_playbooks")
@@ -278,7 +280,26 @@ def ensure_built(data_dir: str | os.PathLike, cfg: dict | None = None, force: bo
     `capibara-exp-data` command) a build made with other settings is rebuilt.
     """
     out = dataset_dir(data_dir)
+    made = _first_missing(out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _built_under_lock(out, data_dir, cfg, force)
+    except ConfigError:  # a refused build (BuildError, NoExamplesError, bad settings)
+        if made is not None:  # leaves nothing behind: the dirs it made go again
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist yet (None: it exists)."""
+    path, missing = Path(os.path.abspath(path)), None
+    while not path.exists() and path.parent != path:
+        path, missing = path.parent, path
+    return missing
+
+
+def _built_under_lock(out: Path, data_dir: str | os.PathLike, cfg: dict | None,
+                      force: bool) -> dict:
     with open(out / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs of a sweep: one builds, the rest wait
         manifest_path = out / "manifest.json"

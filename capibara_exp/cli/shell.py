@@ -1,0 +1,276 @@
+"""The shell every console script's `main` runs in, from its first line to its last.
+
+- SIGTERM and SIGINT are handled from process start: before training's own handler takes
+  over (runtime/preemption.py), and again after it, a signal ends the process with status
+  75 and one line saying what was kept (a compile, a restore, a data build, a merge leave
+  nothing half-written that a later run would read).
+- An OSError (disk full, read-only file system, a path that is a file, a name too long) is
+  one line naming the path and the failure: exit 2 when the path is one the command line
+  named, 1 otherwise (the environment's).
+- Any other exception is one line naming it (exit 1); verbose=true on the command line or
+  CAPIBARA_VERBOSE=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+
+USER_ERROR = 2
+RUN_FAILED = 1
+# Failures a path can have that the user chose (exit 2 when the path is theirs).
+PATH_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOENT,
+               errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTEMPTY}
+VERBOSE_ENV = "CAPIBARA_VERBOSE"
+Kept = Callable[[list[str]], str]
+
+
+def console(prog: str, kept: Kept | None = None) -> Callable:
+    """Decorate a console script's `main(argv=None)`; `kept(argv)` says in words what a
+    failure or a signal left (default: the inputs as they were)."""
+    def wrap(main: Callable) -> Callable:
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> object:
+            args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+            verbose = _verbose(args)
+            # Hydra prints a job's exception with a traceback and exits 1; let it through,
+            # without its own line before ours.
+            os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+            hooks = (sys.excepthook, sys.unraisablehook, logging.raiseExceptions,
+                     threading.excepthook)
+            if not verbose:
+                logging.getLogger("hydra.core.utils").addFilter(_HYDRA_JOB_ERROR)
+                _quiet_libraries()
+            said = (lambda: kept(args)) if kept else (lambda: "the inputs are as they were")
+            previous = _install(prog, said)
+            _current[:] = [(prog, args, said, verbose)]
+            try:
+                return main(argv)
+            except (SystemExit, GeneratorExit):
+                raise
+            except BaseException as err:  # noqa: BLE001 - the one place every failure ends
+                _handle(err)
+            finally:
+                _restore(previous)
+                if not _console_process():  # called in a process that goes on (tests)
+                    sys.excepthook, sys.unraisablehook, logging.raiseExceptions, \
+                        threading.excepthook = hooks
+            return None
+        return run
+    return wrap
+
+
+def _console_process() -> bool:
+    first = sys.argv[0] if sys.argv else ""
+    return os.path.basename(first).startswith("capibara-exp") or \
+        first.replace(os.sep, "/").endswith("capibara_exp/cli/__main__.py")
+
+
+_current: list[tuple] = []  # (prog, args, kept, verbose) of the console script running
+
+
+def _handle(err: BaseException) -> None:
+    """One line and the exit status for an exception that ends a console script."""
+    prog, args, said, verbose = _current[0]
+    if isinstance(err, KeyboardInterrupt):
+        _stopped(prog, "SIGINT", said)
+    if verbose:
+        raise err
+    if isinstance(err, ConfigError):  # raised past the checks (a sweeper's settings)
+        one_line = " ".join(str(err).split())
+        print(f"{prog}: configuration error: {one_line}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR)
+    if isinstance(err, OSError):
+        _os_failure(prog, err, args, said)
+    full = _FULL_DISK.search(str(err))
+    if full:  # tensorstore's (orbax's) report of a full disk, as a ValueError
+        _os_failure(prog, OSError(errno.ENOSPC, "No space left on device (writing a "
+                                  "checkpoint)", full.group(1)), args, said)
+    _internal(prog, err)
+
+
+_FULL_DISK = re.compile(r"RESOURCE_EXHAUSTED: Error writing .*? at local file \"([^\"]+)\"")
+
+
+def job(task: Callable) -> Callable:
+    """Decorate a Hydra task function: its failure ends the process as `console` says, here
+    (Hydra would print a line of its own first). A multirun's job raises on: the sweeper
+    records it as failed and goes on."""
+    @functools.wraps(task)
+    def run(*a: object, **k: object) -> object:
+        try:
+            return task(*a, **k)
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as err:  # noqa: BLE001
+            if not _current or _multirun():
+                raise
+            _handle(err)
+        return None
+    return run
+
+
+def _multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _quiet_job_error(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Error executing job")
+
+
+_HYDRA_JOB_ERROR = _quiet_job_error
+
+
+class _OneLine(logging.Filter):
+    """A library's log record without its traceback, on one line (verbose=true: whole)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.exc_text:
+            record.exc_info, record.exc_text = None, None
+            record.msg = " ".join(str(record.getMessage()).split())[:300]
+            record.args = ()
+        return True
+
+
+def _quiet_libraries() -> None:
+    """Libraries' background threads (orbax's savers, asyncio loops) print tracebacks of
+    their own when a disk fills; kept to one line each, or none once the process is ending."""
+    for name in ("absl", "orbax", "jax", "asyncio", "tensorflow", ""):
+        logging.getLogger(name).addFilter(_OneLine())
+    threading.excepthook = _quiet_thread
+    # tensorstore's callbacks print through sys.excepthook ("Event loop is closed" per
+    # pending write); a log file on the full disk makes logging print its own traceback
+    sys.excepthook = lambda kind, value, tb: _thread_errors.append(value)
+    sys.unraisablehook = lambda unraisable: _thread_errors.append(unraisable.exc_value)
+    logging.raiseExceptions = False
+
+
+def _quiet_thread(args: object) -> None:
+    exc = getattr(args, "exc_value", None)
+    if exc is not None and not isinstance(exc, SystemExit):
+        _thread_errors.append(exc)
+
+
+_thread_errors: list[BaseException] = []
+
+
+def _ending() -> None:
+    """After a console script's last line: what library threads and the interpreter's
+    shutdown print is not for the user (a traceback per thread of a failed save)."""
+    if _console_process():
+        sys.stderr.flush()
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - until the process ends
+
+
+def _verbose(args: list[str]) -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0") or any(
+        a.replace(" ", "").lower() in ("verbose=true", "++verbose=true", "+verbose=true")
+        for a in args)
+
+
+def _install(prog: str, said: Callable[[], str]) -> dict:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the way out is quiet: no second one
+            signal.signal(sig, signal.SIG_IGN)
+        _stopped(prog, signal.Signals(signum).name, said)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _stopped(prog: str, name: str, said: Callable[[], str]) -> None:
+    message = f"stopped by {name}: {_safe(said)}; run the same command again to go on"
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
+    _ending()
+    raise Preempted(message)
+
+
+def _safe(said: Callable[[], str]) -> str:
+    try:
+        return said()
+    except Exception:  # noqa: BLE001 - the message must not fail in turn
+        return "what was written before is kept"
+
+
+def _original(err: OSError) -> OSError:
+    """The OSError with its errno and path: gin re-raises a copy holding only the text
+    ("[Errno 28] No space left on device ... In call to configurable 'train'")."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    found = re.match(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]+)')?", str(err))
+    if found:
+        return OSError(int(found.group(1)), found.group(2).strip(), found.group(3))
+    return err
+
+
+def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str]) -> None:
+    err = _original(err)
+    name = errno.errorcode.get(err.errno or 0, "")
+    where = " ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    reason = err.strerror or (str(err).splitlines() or [type(err).__name__])[0]
+    mine = err.errno in PATH_ERRNOS and any(_named(f, args) for f in (err.filename,
+                                                                      err.filename2) if f)
+    text = f"{where}: {reason}" if where else reason
+    print(f"{prog}: {text}{f' ({name})' if name else ''}; {_safe(said)}", file=sys.stderr,
+          flush=True)
+    _ending()
+    sys.exit(USER_ERROR if mine else RUN_FAILED)
+
+
+def _named(filename: object, args: list[str]) -> bool:
+    """Whether a failing path is (or lies under) a path the command line named."""
+    try:
+        failing = Path(os.path.abspath(os.fsdecode(filename)))
+    except (TypeError, ValueError):
+        return False
+    for arg in args:
+        for value in _path_values(arg):
+            try:
+                named = Path(os.path.abspath(value))
+            except (TypeError, ValueError):
+                continue
+            if failing == named or named in failing.parents:
+                return True
+    return False
+
+
+def _path_values(arg: str) -> list[str]:
+    value = arg.split("=", 1)[1] if "=" in arg else arg
+    return [v.strip(" '\"") for v in value.strip("[]").split(",") if v.strip(" '\"")]
+
+
+def _internal(prog: str, err: BaseException) -> None:
+    text = " ".join(str(err).split())[:300] or "(no message)"
+    print(f"{prog}: internal error: {type(err).__name__}: {text} (verbose=true or "
+          f"{VERBOSE_ENV}=1 shows the traceback)", file=sys.stderr, flush=True)
+    _ending()
+    sys.exit(RUN_FAILED)
+
+
+__all__ = ["console", "PREEMPTED_EXIT_CODE"]
