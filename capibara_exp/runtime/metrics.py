@@ -135,6 +135,9 @@ class NullWriter:
         pass
 
 
+PREFIX = "capibara-exp: "
+
+
 class Progress:
     """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal."""
 
@@ -158,7 +161,8 @@ class Progress:
         self.stream.flush()
 
     def message(self, text: str) -> None:
-        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        """A line of its own, with capibara-exp's prefix (the step lines are the bar)."""
+        self.stream.write(("\r\033[K" if self.tty else "") + PREFIX + text + "\n")
         self.stream.flush()
 
 

@@ -354,8 +354,10 @@ def _preempted(run: _Run, state: TrainState, step: int, signal_name: str | None)
             _save(run, state, step, "preemption", wait=True)
         run.events.saved(run.saver, wait=True)
         saved = f"{run.model_dir}/checkpoint_{step} holds every finished step"
+    # The command typed may have made a new dated run dir (no model_dir): naming the dir is
+    # what makes re-running it resume here rather than start again from step 0.
     message = (f"preempted by {signal_name} after step {step}: {saved}; run the same command "
-               "again to resume")
+               f"again with model_dir={run.model_dir} to resume")
     run.progress.message(message)
     run.events.emit("preemption", step=step,
                     path=f"{run.model_dir}/checkpoint_{step}" if run.saver else None)
