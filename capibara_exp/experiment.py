@@ -161,6 +161,7 @@ def machine_peak(run_dir: Path, dtype: str, cache_dir: str | None) -> Iterator[N
 
 def say(message: str) -> None:
     print(f"capibara-exp: {message}", file=sys.stderr, flush=True)
+    environment.copy_to_run_log(f"capibara-exp: {message}")
 
 
 def with_model_dir(cfg: DictConfig, run_dir: Path) -> DictConfig:

@@ -27,6 +27,8 @@ METRICS = "metrics.jsonl"
 T5X_EVAL_DIR = "training_eval"  # T5X's train-eval summaries: training_eval/<task>/
 EVAL_DIR = "train_eval"  # the local engine's, and the run dir's
 VERBOSE_ENV = "CAPIBARA_VERBOSE"
+RUN_LOG_ENV = "CAPIBARA_RUN_LOG"
+RUN_LOG = "capibara-exp.log"  # Hydra's job log in the run dir (hydra.job.name)
 
 
 def command(python: str | None, gin_path: Path, flags: list[str]) -> list[str]:
@@ -40,12 +42,15 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
     """Run T5X; then metrics.jsonl and train_eval/ as the local engine writes them. Returns
     the last train_eval metrics."""
     rendered = gin_path.read_text()
-    env = {**os.environ, VERBOSE_ENV: "1" if verbose else "0"}
+    env = {**os.environ, VERBOSE_ENV: "1" if verbose else "0",
+           RUN_LOG_ENV: str(run_dir / RUN_LOG)}  # T5X's Python log joins the run's
     if compilation_cache_dir:  # JAX reads these at start: T5X's compiles go in the cache too
         env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache_dir),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     watcher = _Progress(run_dir, total_steps)
+    _say(f"T5X trains {gin_path} to step {total_steps} (t5x.train in a child process; its "
+         f"Python log goes to {run_dir / RUN_LOG})")
     try:
         result = subprocess.run(cmd, check=False, env=env)
     finally:
@@ -57,9 +62,8 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
         raise RunError(f"t5x.train exited with status {result.returncode}; see its output above")
     evaluation = last_train_eval(run_dir)
     if evaluation and "loss" in evaluation:  # the local engine's eval line, for the last one
-        print(f"step {evaluation['step']}: eval loss {evaluation['loss']:.4f}"
-              + (f" accuracy {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else ""),
-              file=sys.stderr, flush=True)
+        _say(f"step {evaluation['step']}: eval loss {evaluation['loss']:.4f}"
+             + (f" accuracy {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else ""))
     return evaluation
 
 
@@ -206,6 +210,9 @@ class _Progress:
     def __init__(self, run_dir: Path, total_steps: int):
         self.run_dir, self.total_steps = run_dir, total_steps
         self.shown = _recorded_steps(run_dir).get("train", -1)  # shown by an earlier run
+        from capibara_exp.runtime.metrics import Progress
+
+        self.line = Progress(total_steps)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True, name="t5x-progress")
         self.thread.start()
@@ -221,18 +228,25 @@ class _Progress:
         except Exception:  # a file T5X is writing: read it next time
             return
         for step, _, scalars in events:
-            metrics = local_metrics(scalars)
-            if step > self.shown and "loss" in metrics:
-                line = f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}"
-                if "tokens_per_s" in metrics:
-                    line += f"  {metrics['tokens_per_s'] / 1e3:.1f}k tok/s"
-                print(line, file=sys.stderr, flush=True)
+            m = local_metrics(scalars)
+            if step > self.shown and "loss" in m:
+                # The local engine's line, from T5X's own timing summaries (T5X measures no
+                # data wait: that field is left out).
+                self.line.update(step, m["loss"], m.get("tokens_per_s", 0.0),
+                                 m.get("step_time_s", 0.0))
                 self.shown = step
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join()
         self.show()
+
+
+def _say(message: str) -> None:
+    from capibara_exp.environment import copy_to_run_log
+
+    print(f"capibara-exp: {message}", file=sys.stderr, flush=True)
+    copy_to_run_log(f"capibara-exp: {message}")
 
 
 def check_installed() -> None:
@@ -242,6 +256,9 @@ def check_installed() -> None:
         raise ConfigError(INSTALL_HINT)
 
 
-INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI: on a TPU VM run "
-                "`pip install 'git+https://github.com/google-research/t5x'` (and libtpu for "
-                "TPUs), then re-run; engine=local trains the same config.gin without it.")
+INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI; into this venv "
+                "(any machine, CPU too): pip install --no-deps "
+                "'git+https://github.com/google-research/t5x' 'git+https://github.com/google/airio' "
+                "'git+https://github.com/google-research/jestimator' && pip install fiddle chex "
+                "jaxtyping cached_property grain tensorboard (docs/t5x_engine.md, Installing "
+                "T5X); engine=local trains the same config.gin without it.")

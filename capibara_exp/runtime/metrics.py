@@ -12,6 +12,8 @@ from typing import Any, TextIO
 
 from tensorboardX import SummaryWriter
 
+from capibara_exp.environment import copy_to_run_log
+
 
 def summarize(sums: dict[str, float]) -> dict[str, float]:
     """Per-token averages from summed step metrics (sums over any number of steps)."""
@@ -144,6 +146,7 @@ class Progress:
     def __init__(self, total_steps: int, stream: TextIO | None = None):
         self.total_steps = total_steps
         self.stream = stream or sys.stderr  # looked up now: a redirected stderr counts
+        self.logged = stream is None  # the console's lines go in the run log too
         self.tty = self.stream.isatty()
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_s: float,
@@ -159,11 +162,15 @@ class Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+        if self.logged:
+            copy_to_run_log(line)
 
     def message(self, text: str) -> None:
         """A line of its own, with capibara-exp's prefix (the step lines are the bar)."""
         self.stream.write(("\r\033[K" if self.tty else "") + PREFIX + text + "\n")
         self.stream.flush()
+        if self.logged:
+            copy_to_run_log(PREFIX + text)
 
 
 def _clock(seconds: float) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from capibara_exp import phases
 from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
 from capibara_exp.runtime import checkpoints, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
@@ -331,8 +332,9 @@ def _save(run: _Run, state: TrainState, step: int, kind: str, wait: bool = False
     model = run.args["model"]  # it may add files to each checkpoint (LoRA: its base's pointer)
     sidecars = model.checkpoint_sidecars() if hasattr(model, "checkpoint_sidecars") else None
     try:
-        run.saver.save(step, checkpoints.cast_floats(state.state_dict(), run.save_cfg.dtype),
-                       kind, wait=wait, sidecars=sidecars)
+        with phases.phase(f"saving checkpoint_{step}"):
+            run.saver.save(step, checkpoints.cast_floats(state.state_dict(), run.save_cfg.dtype),
+                           kind, wait=wait, sidecars=sidecars)
     except checkpoints.NonFiniteState as err:
         run.guard.diverged(str(err))
     run.saved.add(step)
@@ -354,8 +356,7 @@ def _preempted(run: _Run, state: TrainState, step: int, signal_name: str | None)
             _save(run, state, step, "preemption", wait=True)
         run.events.saved(run.saver, wait=True)
         saved = f"{run.model_dir}/checkpoint_{step} holds every finished step"
-    # The command typed may have made a new dated run dir (no model_dir): naming the dir is
-    # what makes re-running it resume here rather than start again from step 0.
+    # Named: without model_dir the same command makes a new dated run dir, from step 0.
     message = (f"preempted by {signal_name} after step {step}: {saved}; run the same command "
                f"again with model_dir={run.model_dir} to resume")
     run.progress.message(message)
@@ -382,7 +383,8 @@ def _evaluate_and_act(run: _Run, state: TrainState, step: int) -> bool:
 def _train_eval(run: _Run, state: TrainState, step: int) -> dict[str, dict]:
     """One train-eval pass, written and shown; T5X's metrics_by_task for the actions."""
     run.guard.check_now()
-    eval_m = summarize(sum_metrics([run.trainer.eval_step(state, b) for b in run.eval_batches]))
+    with phases.phase(f"evaluating at step {step}"):
+        eval_m = summarize(sum_metrics([run.trainer.eval_step(state, b) for b in run.eval_batches]))
     run.writer.write(step, "train_eval", eval_m)
     run.progress.message(f"step {step}: eval loss {eval_m['loss']:.4f} "
                          f"accuracy {eval_m['accuracy']:.4f}")
