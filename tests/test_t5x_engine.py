@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from capibara_exp.launch.t5x_engine import LOCAL_ONLY
 from capibara_exp.runtime import checkpoints
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("t5x") is None,
@@ -90,6 +91,14 @@ def test_t5x_run_dir_reads_as_the_local_engines(runs: dict[str, Path]) -> None:
                 for r in records[run] if r["split"] == split]
         core = {"step", "split", "loss", "accuracy", "cross_ent_loss", "z_loss", "perplexity"}
         assert all(core <= k for k in keys), split
+    # the same record kinds at the same steps, with the same keys but what T5X cannot measure
+    assert [(r["step"], r["split"]) for r in records[t5x]] == \
+        [(r["step"], r["split"]) for r in records[local]]
+    for ours, theirs in zip(records[local], records[t5x], strict=True):
+        measured_here = {k for k in ours if k not in LOCAL_ONLY and not k.startswith("memory/")}
+        assert set(theirs) == measured_here, (ours["step"], ours["split"])
+        # real target tokens from T5X's rates and seconds: the count the local engine sums
+        assert theirs["target_tokens"] == ours["target_tokens"], (ours["step"], ours["split"])
     # the same meaning: untrained, both engines' first loss per token is about ln(vocab)
     for run in (t5x, local):
         first = next(r["loss"] for r in records[run] if r["split"] == "train")

@@ -121,10 +121,16 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
-def local_metrics(t5x: dict[str, float]) -> dict[str, float]:
+# Train-record keys only the local engine measures: T5X's summaries have no gradient norm,
+# no data wait, no FLOPs and no memory figures (memory/* keys, where the backend has them).
+LOCAL_ONLY = ("grad_norm", "data_wait_share", "mfu", "mfu_peak_flops")
+
+
+def local_metrics(t5x: dict[str, float], split: str = "train") -> dict[str, float]:
     """T5X's summaries under the local engine's names and meanings (runtime/metrics.py): loss,
-    cross-entropy and z-loss per non-padding target token, accuracy, perplexity, learning
-    rate, step time and real tokens per second."""
+    cross-entropy and z-loss per non-padding target token, accuracy, perplexity and real
+    target tokens; for train also learning rate, step time, real tokens per second and
+    packing fill. The same keys as the local engine's records but LOCAL_ONLY."""
     fraction = t5x.get("non_padding_fraction/loss_weights") or 1.0
     out: dict[str, float] = {}
     if "loss_per_nonpadding_target_token" in t5x:
@@ -138,10 +144,18 @@ def local_metrics(t5x: dict[str, float]) -> dict[str, float]:
         out["perplexity"] = math.exp(min(out["cross_ent_loss"], 50.0))
     if "learning_rate/current" in t5x or "learning_rate" in t5x:
         out["learning_rate"] = t5x.get("learning_rate/current", t5x.get("learning_rate"))
+    if "timing/target_tokens_per_second" in t5x and "timing/seconds" in t5x:
+        # all token slots per second x the seconds they were counted over x the real share
+        out["target_tokens"] = float(round(t5x["timing/target_tokens_per_second"]
+                                           * t5x["timing/seconds"] * fraction))
+    if split == "train_eval":  # the local engine times only training
+        return out
     if t5x.get("timing/steps_per_second"):
         out["step_time_s"] = 1.0 / t5x["timing/steps_per_second"]
     if "timing/target_tokens_per_second" in t5x:
         out["tokens_per_s"] = t5x["timing/target_tokens_per_second"] * fraction
+    if "non_padding_fraction/loss_weights" in t5x:
+        out["packing_fill"] = fraction  # real target tokens over the batch's token slots
     return out
 
 
@@ -152,13 +166,18 @@ def write_metrics(run_dir: Path) -> None:
     done = _recorded_steps(run_dir)
     sources = {"train": [run_dir / "train"],
                "train_eval": sorted((run_dir / T5X_EVAL_DIR).glob("*")) + [run_dir / EVAL_DIR]}
-    records = []
+    records, starts = [], set()
     for split, dirs in sources.items():
         for directory in dirs:
             for step, wall, scalars in _events(directory) if directory.is_dir() else []:
-                metrics = local_metrics(scalars)
+                if "timing/init_or_restore_seconds" in scalars:
+                    starts.add(step)  # an invocation started (or resumed) here
+                metrics = local_metrics(scalars, split)
                 if "loss" in metrics and step > done.get(split, -1):
                     records.append({"step": step, "split": split, "time": wall, **metrics})
+    # The local engine reports no train record for the first step of an invocation (its
+    # compile step, not timed): neither does this.
+    records = [r for r in records if not (r["split"] == "train" and r["step"] - 1 in starts)]
     records.sort(key=lambda r: (r["step"], r["split"] != "train"))
     with path.open("a") as out:
         for record in records:

@@ -5,6 +5,8 @@ they last. engine=t5x runs this; the flags are t5x.train's."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import runpy
 import sys
@@ -35,8 +37,44 @@ def main() -> None:
         # seqio warns about uncached tasks); capibara-exp shows the progress instead.
         sys.argv.append("--verbosity=-3")
     phases.show_compiles()
+    logging.getLogger().addHandler(_T5XPhases())
     sys.argv[0] = "t5x.train"
     runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
+
+
+# What T5X's train.py logs as it enters a phase that can last, and the phase line for it
+# (capibara-exp's words, as the local engine's); any later train.py record ends the phase.
+T5X_PHASES = (
+    ("Using seed for initialization", "T5X: building the data sets, initializing or "
+                                      "restoring the model"),
+    ("Saving checkpoint", "T5X: saving a checkpoint"),
+    ("Saving emergency checkpoint", "T5X: saving a checkpoint"),
+    ("Computing training evaluation metrics", "T5X: evaluating"),
+    ("Running training eval before training", "T5X: evaluating"),
+    ("Running inference eval", "T5X: running the inference evaluation"),
+)
+
+
+class _T5XPhases(logging.Handler):
+    """Phase lines from T5X's own log records (train.py's INFO lines), which reach every
+    root handler whatever is shown: T5X's silences get the local engine's phase lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.current: contextlib.ExitStack | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.filename != "train.py" or "t5x" not in record.pathname:
+            return
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        message = record.getMessage()
+        for start, what in T5X_PHASES:
+            if message.startswith(start):
+                self.current = contextlib.ExitStack()
+                self.current.enter_context(phases.phase(what))
+                return
 
 
 def _absl_to_file(path: str) -> None:
