@@ -34,9 +34,23 @@ def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+# Progress a command prints before a mistake is found: its first line (once the command line
+# composes) and phase lines (a slow import while the rendered config.gin is checked).
+PROGRESS = re.compile(r"^capibara-exp: (starting \(engine=\w+\)( \(a sweep\))? \.\.\.|"
+                      r"importing [^:]* \.\.\.( \d+ s)?|importing [^:]*: \d+\.\d s)$")
+
+
+def error_lines(text: str) -> list[str]:
+    """The lines of stderr that are not progress."""
+    return [line for line in lines(text) if not PROGRESS.match(line)]
+
+
 @pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"],
-                                  ["experiment=dense_small_rope", "--cfg", "job"]])
+                                  ["experiment=dense_small_rope", "--cfg", "job"],
+                                  ["model.emb_dm=64"], ["trainer.train_steps=-5"],
+                                  ["engine=tpu"]])
 def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_path: Path) -> None:
+    """--help, --cfg job and a mistake found when composing (one key) load none of them."""
     probe = ("import sys; from capibara_exp.cli import main as cli\n"
              "sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
              "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
@@ -45,6 +59,9 @@ def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_pat
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
+    if not args[0].startswith("-"):  # the mistakes: refused, in one line
+        assert error_lines(out.stderr)[0].startswith("capibara-exp: configuration error: ")
+        assert len(lines(out.stderr)) == 1, out.stderr
 
 
 def test_help_lists_groups_sweeps_the_sweeper_and_the_other_scripts(tmp_path: Path) -> None:
@@ -112,7 +129,7 @@ def test_bad_command_lines_are_one_line_status_2_and_no_run_dir(args, message,
                                                                 tmp_path: Path) -> None:
     out = capibara(*args, f"model_dir={tmp_path / 'model'}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert lines(out.stderr) == [lines(out.stderr)[0]] and message in out.stderr, out.stderr
+    assert len(error_lines(out.stderr)) == 1 and message in error_lines(out.stderr)[0], out.stderr
     assert not (tmp_path / "model").exists() and not (tmp_path / "outputs").exists()
 
 
