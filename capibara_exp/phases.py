@@ -28,7 +28,7 @@ class _Ticker:
         self.t0 = time.perf_counter()
         self.done = threading.Event()
         self.shown = False
-        self.detail = ""  # how far it got (the caller sets it: "120/480 files"), shown with the time
+        self.detail = ""  # how far it got ("120/480 files", set by the caller), shown with the time
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.thread = threading.Thread(target=self._run, name="capibara-phase", daemon=True)
         self.thread.start()

@@ -277,7 +277,8 @@ def check_installed() -> None:
 
 INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI; into this venv "
                 "(any machine, CPU too): pip install --no-deps "
-                "'git+https://github.com/google-research/t5x' 'git+https://github.com/google/airio' "
+                "'git+https://github.com/google-research/t5x' "
+                "'git+https://github.com/google/airio' "
                 "'git+https://github.com/google-research/jestimator' && pip install fiddle chex "
                 "jaxtyping cached_property grain tensorboard (docs/t5x_engine.md, Installing "
                 "T5X); engine=local trains the same config.gin without it.")
