@@ -58,15 +58,26 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 6, dtype: str = "float32") -
 
 def run_peak_flops(model_dir: str | Path, dtype: str = "float32") -> float:
     """This machine's measured matmul peak in the model's compute dtype, cached in the run
-    dir (with its dtype) so a resumed run's MFU is measured against the same figure."""
+    dir (with its dtype, how and when it was measured) so a resumed run's MFU is measured
+    against the same figure (experiment.machine_peak measures again one that went stale)."""
     path = Path(model_dir) / PEAK_FILE
     if path.exists():
         stored = json.loads(path.read_text())
         if stored.get("dtype", "float32") == dtype:
             return float(stored["matmul_peak_flops"])
     peak = matmul_peak_flops(dtype=dtype)
-    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": dtype}) + "\n")
+    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": dtype,
+                                "method": peak_method(dtype), "measured_at": time.time()}) + "\n")
     return peak
+
+
+def peak_method(dtype: str, n: int = 2048, repeats: int = 6) -> str:
+    """How matmul_peak_flops measures, in words (kept beside the figure)."""
+    import jax
+
+    device = jax.devices()[0]
+    return (f"best of {repeats} jitted {n}x{n}x{n} {dtype} matmuls on one "
+            f"{device.platform} device ({device.device_kind})")
 
 
 def model_flops_per_token(config: Any, length: int, moe_config: Any = None) -> float:
