@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> None:
     from capibara_exp.cli.common import checked_argv, register_sweeper, user_errors
 
     line, comp, hydra_argv = checked_argv(PROG, "config", sys.argv[1:] if argv is None else argv)
+    from capibara_exp.cli import help as app_help
+
+    if comp is None and app_help.wants_help(line):  # Hydra's text, without Hydra's wait
+        with user_errors(PROG, prefix="configuration error: "):
+            print(app_help.render("config", line))
+        return
     if comp is not None:
         # Composed and its values checked (Hydra only): the first line, before the rest of
         # the checks import TensorFlow, JAX and SeqIO. A compose-time mistake stays one line.

@@ -76,8 +76,9 @@ def peak_method(dtype: str, n: int = 2048, repeats: int = 6) -> str:
     import jax
 
     device = jax.devices()[0]
-    return (f"best of {repeats} jitted {n}x{n}x{n} {dtype} matmuls on one "
-            f"{device.platform} device ({device.device_kind})")
+    kind = "" if device.device_kind == device.platform else f" ({device.device_kind})"
+    return f"best of {repeats} jitted {n}x{n}x{n} {dtype} matmuls on one {device.platform} " \
+        f"device{kind}"
 
 
 def model_flops_per_token(config: Any, length: int, moe_config: Any = None) -> float:
