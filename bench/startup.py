@@ -1,8 +1,8 @@
 """Start-up: `--help`, `--cfg job` and a one-key mistake against `python -c "import hydra"`
 (goal <= 2x); then the edit-run loop: wall time of `capibara-exp debug=fast` run again
-(XLA's compile cache and the data from the first run in place) against the first run, and against real T5X training
-the same config.gin where T5X is installed. Goal: the repeated run within 10 s on a 2-core
-CPU machine.
+(XLA's compile cache and the data from the first run in place) against the first run, and
+against real T5X training the same config.gin where T5X is installed. Goal: the repeated
+run within 10 s on a 2-core CPU machine.
 
     python bench/startup.py [--repeats 3] [--config-only]
 
