@@ -78,18 +78,20 @@ def test_help_lists_groups_sweeps_the_sweeper_and_the_other_scripts(tmp_path: Pa
     assert "--gin_file" in out.stdout
 
 
-@pytest.mark.parametrize("args", [[], ["experiment=dense_small_rope"]])
-def test_help_is_the_text_hydra_renders(args: list[str], tmp_path: Path) -> None:
-    """capibara-exp renders --help itself (Hydra lists each group through a new repository:
-    seconds); the text is Hydra's own for the same command line."""
+@pytest.mark.parametrize("args", [["--help"], ["experiment=dense_small_rope", "--help"],
+                                  ["--cfg", "job"], ["experiment=moe_e2b_tiny", "--cfg=job"],
+                                  ["--cfg", "job", "--gin.nets.DecoderConfig.dropout_rate=0.1"]])
+def test_help_and_cfg_job_are_the_text_hydra_renders(args: list[str], tmp_path: Path) -> None:
+    """capibara-exp renders --help and --cfg job itself (Hydra lists each group through a
+    new repository, and composes again: seconds); the text is Hydra's own for the line."""
     hydra_help = ("import sys\n"
                   "from capibara_exp.cli.common import checked_argv, register_sweeper\n"
                   "from capibara_exp.cli import main\n"
                   "_, _, argv = checked_argv('capibara-exp', 'config', sys.argv[1:])\n"
                   "sys.argv = ['capibara-exp', *argv]\nregister_sweeper()\nmain._app()\n")
-    theirs = subprocess.run([sys.executable, "-c", hydra_help, *args, "--help"], cwd=tmp_path,
+    theirs = subprocess.run([sys.executable, "-c", hydra_help, *args], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
-    ours = capibara(*args, "--help", cwd=tmp_path)
+    ours = capibara(*args, cwd=tmp_path)
     assert theirs.returncode == ours.returncode == 0, theirs.stderr + ours.stderr
     assert ours.stdout == theirs.stdout
 

@@ -1,11 +1,13 @@
-"""`capibara-exp --help` in a fraction of Hydra's time, with Hydra's text.
+"""`capibara-exp --help` and `--cfg job` in a fraction of Hydra's time, with Hydra's text.
 
 Hydra renders its `hydra.help.template` after listing every config group's options, and it
 lists each group through a config repository it builds anew (the primary config read and
 deep-copied) per group, twice: on two cores that is seconds. The template, its
 substitutions and the listing's format are Hydra's (`group: option, option`, groups
 sorted, hydra/ groups left out of $APP_CONFIG_GROUPS); here the options are read from the
-search path's directories once, and the config is composed once.
+search path's directories once, and the config is composed once. `--cfg job` prints the
+composition the checks made (Hydra would compose it a second time), as Hydra prints it:
+the YAML of the config without its `hydra` node, unresolved.
 """
 
 from __future__ import annotations
@@ -58,3 +60,25 @@ def _collect(directory: Path, group: str, groups: dict[str, set[str]]) -> None:
     for sub in sorted(d for d in directory.iterdir() if d.is_dir()
                       and not d.name.startswith(("_", "."))):
         _collect(sub, f"{group}/{sub.name}", groups)
+
+
+def plain_job_config(line: CommandLine) -> bool:
+    """`--cfg job`, with no Hydra flag but --config-dir (no --package, --resolve, -m):
+    what `job_config` prints as Hydra does."""
+    pairs, flags = [], list(line.flags)
+    while flags:
+        flag = flags.pop(0)
+        name, eq, value = flag.partition("=")
+        if not eq and name in ("--cfg", "-c", "--config-dir", "-cd") and flags:
+            value = flags.pop(0)
+        pairs.append((name, value))
+    shown = [value for name, value in pairs if name in ("--cfg", "-c")]
+    others = [name for name, _ in pairs if name not in ("--cfg", "-c", "--config-dir", "-cd")]
+    return shown == ["job"] and not others
+
+
+def job_config(cfg: object) -> str:
+    """Hydra's `--cfg job` text for a composed config."""
+    app = OmegaConf.to_container(cfg, resolve=False)
+    app.pop("hydra", None)
+    return OmegaConf.to_yaml(OmegaConf.create(app))

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
 
         with user_errors(PROG, prefix="configuration error: "):
             checks.check_run(comp, line)
+        if app_help.plain_job_config(line):  # Hydra's text from this composition: not twice
+            sys.stdout.write(app_help.job_config(comp.cfg))
+            return
     sys.argv = [sys.argv[0], *hydra_argv]
     register_sweeper()
     _app()
