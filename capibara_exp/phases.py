@@ -46,24 +46,35 @@ class _Ticker:
     def _run(self) -> None:
         if self.done.wait(SHOW_AFTER_S):
             return
-        self.shown = True
         line = f"{PROG}: {self.what} ..."
-        self._write(line, "" if self.tty else "\n")
+        with _SCREEN:  # a phase inside another (a compile while the state is built): its own
+            self.shown = True  # line below the outer one's, which waits until it ends
+            self._write(("\n" if self.tty and _ON_SCREEN else "") + line,
+                        "" if self.tty else "\n")
+            _ON_SCREEN.append(self)
         copy_to_run_log(line)
         while not self.done.wait(1.0 if self.tty else NOTE_EVERY_S):
             detail = f" {self.detail}," if self.detail else ""
-            if self.tty:
-                self._write(f"\r\033[K{line}{detail} {self._elapsed():.0f} s", "")
-            else:
-                self._write(f"{line}{detail} {self._elapsed():.0f} s", "\n")
+            with _SCREEN:
+                if not self.tty:
+                    self._write(f"{line}{detail} {self._elapsed():.0f} s", "\n")
+                elif _ON_SCREEN[-1] is self:
+                    self._write(f"\r\033[K{line}{detail} {self._elapsed():.0f} s", "")
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join()
         if self.shown:
             took = f"{PROG}: {self.what}: {self._elapsed():.1f} s"
-            self._write(f"{chr(13) if self.tty else ''}{took}", "\n")
+            with _SCREEN:
+                top = _ON_SCREEN[-1] is self
+                _ON_SCREEN.remove(self)
+                self._write(("\r\033[K" if top else "\n") * self.tty + took, "\n")
             copy_to_run_log(took)
+
+
+_SCREEN = threading.Lock()
+_ON_SCREEN: list[_Ticker] = []  # the phases shown and not ended, innermost last
 
 
 @contextlib.contextmanager

@@ -1,10 +1,9 @@
 """`train_script.train`: T5X's train contract, run by the local engine.
 
-A plain function of its arguments (gin binds them at the edge, in gin_utils), in four
-phases: setup (checks, sizes against memory, the compiled step, the state), restore (the
-newest checkpoint that verifies, with the data position), the loop (train, evaluate,
-checkpoint and run actions on T5X's schedule; stop cleanly on SIGTERM/SIGINT) and finish.
-The state/step API the other parts build runs from lives in runtime/state.py.
+A plain function of its arguments (gin binds them at the edge, in gin_utils), in four phases:
+setup (checks, sizes against memory, the compiled step, the state), restore (the newest
+verified checkpoint, with the data position), the loop (train, evaluate, checkpoint, actions
+on T5X's schedule; a clean stop on SIGTERM/SIGINT), finish. State/step API: runtime/state.py.
 """
 
 from __future__ import annotations
@@ -151,7 +150,8 @@ def train(
     """
     args = dict(locals())
     _check_arguments(args)
-    run, state = _setup(args)
+    with phases.phase("building the train step and the model state"):
+        run, state = _setup(args)
     try:
         restored: list[Path] = []
         state, start_step = resume.restore(state, checkpoint_cfg.restore, run.model_dir,
@@ -285,8 +285,8 @@ def _first_step(run: _Run, step: int) -> None:
     run.guard.check_now()
     if jax.process_index() == 0:
         run.args["summarize_config_fn"](run.model_dir, run.writer, step)
-    run.progress.message(f"compiled and ran step {step}; training to step "
-                         f"{run.args['total_steps']}")
+    total = run.args["total_steps"]
+    run.progress.message(f"compiled and ran step {step}; training to step {total}")
     run.window.reset()
 
 
@@ -357,8 +357,8 @@ def _preempted(run: _Run, state: TrainState, step: int, signal_name: str | None)
         run.events.saved(run.saver, wait=True)
         saved = f"{run.model_dir}/checkpoint_{step} holds every finished step"
     # Named: without model_dir the same command makes a new dated run dir, from step 0.
-    message = (f"preempted by {signal_name} after step {step}: {saved}; run the same command "
-               f"again with model_dir={run.model_dir} to resume")
+    message = f"preempted by {signal_name} after step {step}: {saved}; run the same command " \
+        f"again with model_dir={run.model_dir} to resume"
     run.progress.message(message)
     run.events.emit("preemption", step=step,
                     path=f"{run.model_dir}/checkpoint_{step}" if run.saver else None)
