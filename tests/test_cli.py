@@ -266,6 +266,13 @@ def test_a_run_is_one_quiet_dir_that_resumes_there(tmp_path: Path, data_dir: Pat
         assert (run / name).exists(), name
     assert list((run / "train").glob("events.*")) and list((run / "train_eval").glob("events.*"))
     assert not (tmp_path / "outputs").exists()
+    assert lines(out.stderr)[0] == "capibara-exp: starting (engine=local) ..."
+    # The run log holds the Python log: the libraries' INFO records (orbax's, through absl),
+    # which the quiet console leaves out, and capibara-exp's own lines.
+    log = (run / "capibara-exp.log").read_text()
+    orbax = [ln for ln in log.splitlines() if "[absl][INFO]" in ln and "orbax" in ln.lower()]
+    assert orbax and "[absl]" not in out.stderr and "orbax" not in out.stderr.lower(), log[:2000]
+    assert f"capibara-exp: run dir {run}" in log and "compiled and ran step 1" in log
     gin_text = (run / "config.gin").read_text()
     assert "# ===== gin_files[0]" in gin_text and "dropout_rate = 0.125" in gin_text
     assert "dropout_rate = 0.125" in (run / "operative_config.gin").read_text()
