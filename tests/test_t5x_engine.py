@@ -63,13 +63,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, 
 
 def test_t5x_is_deterministic_and_resumes_the_data_stream(runs: dict[str, Path]) -> None:
     a, b, c = (train_losses(runs[k]) for k in "ABC")
-    assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3, 4, 5, 6]
+    # as the local engine, no train record for an invocation's first (compile) step
+    assert sorted(a) == [2, 3, 4, 5, 6] and sorted(b) == sorted(c) == [2, 3, 4, 6]
     # the same seed: the same losses in another process (T5X hands the seed to seqio)
-    assert [a[s] for s in range(1, 5)] == [b[s] for s in range(1, 5)]
+    assert [a[s] for s in range(2, 5)] == [b[s] for s in range(2, 5)]
     # without the dataset checkpoint, the resumed run replays the stream from its start...
-    assert [c[5], c[6]] != [a[5], a[6]]
-    # ...with it (the default), it continues where it stopped: the uninterrupted run's losses
-    assert [b[5], b[6]] == pytest.approx([a[5], a[6]], rel=1e-6)
+    assert c[6] != a[6]
+    # ...with it (the default), it continues where it stopped: the uninterrupted run's loss
+    assert b[6] == pytest.approx(a[6], rel=1e-6)
     assert list((runs["B"] / "checkpoint_4" / "dataset").glob("train_ds-*"))
 
 
