@@ -60,8 +60,8 @@ def select_platform() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-# capibara-exp's own console lines, copied into the run log (capibara-exp.log) through this
-# logger; the console already has them, so its handlers drop them.
+# The logger name of capibara-exp's own console lines copied into the run log
+# (capibara-exp.log); a console handler that meets one drops it (printed already).
 CONSOLE_COPY = "capibara_exp.console"
 
 
@@ -101,8 +101,12 @@ class _ConsoleFilter(logging.Filter):
 
 
 def copy_to_run_log(line: str) -> None:
-    """A line capibara-exp printed, into the run log too (where one is open)."""
-    logging.getLogger(CONSOLE_COPY).info(line)
+    """A line capibara-exp printed, into the run log too: the root logger's file handlers
+    only (where there are none, as in the commands whose Hydra log is stdout, nothing)."""
+    record = logging.LogRecord(CONSOLE_COPY, logging.INFO, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
 
 
 def import_tensorflow(verbose: bool = False) -> None:
