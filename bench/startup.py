@@ -1,9 +1,10 @@
-"""The edit-run loop: wall time of `capibara-exp debug=fast` run again (XLA's compile cache and
-the data from the first run in place) against the first run, and against real T5X training
-the same config.gin where T5X is installed. Goal: the repeated run within 10 s on a 2-core
-CPU machine.
+"""Start-up: `--help`, `--cfg job` and a one-key mistake against `python -c "import hydra"`
+(goal <= 2x); then the edit-run loop: wall time of `capibara-exp debug=fast` run again
+(XLA's compile cache and the data from the first run in place) against the first run, and
+against real T5X training the same config.gin where T5X is installed. Goal: the repeated
+run within 10 s on a 2-core CPU machine.
 
-    python bench/startup.py [--repeats 3]
+    python bench/startup.py [--repeats 3] [--config-only]
 
 Each run is a new process with a new run dir, as a user's is; the first uses an empty
 cache dir ($XDG_CACHE_HOME) and data dir. Medians over the repeats.
@@ -60,10 +61,52 @@ def t5x_wall(root: Path, env: dict[str, str], repeats: int) -> float | None:
     return statistics.median(walls)
 
 
+# The commands that must cost about what Hydra itself costs: they import no JAX, TensorFlow
+# or SeqIO (tests/test_cli.py checks sys.modules). Goal: within CONFIG_GOAL x the baseline.
+CONFIG_COMMANDS = {"--help": ["--help"], "--cfg job": ["--cfg", "job"],
+                   "a one-key mistake": ["model.emb_dm=64"]}
+CONFIG_GOAL = 2.0
+
+
+def config_paths(repeats: int, cwd: Path) -> bool:
+    """Wall time of each config command against `python -c "import hydra"`, measured
+    alternately in the same run (so load hits both alike); medians. True if within goal."""
+    base_cmd = [sys.executable, "-c", "import hydra"]
+    cli = [sys.executable, "-m", "capibara_exp.cli"]
+    walls: dict[str, list[float]] = {"baseline": [], **{k: [] for k in CONFIG_COMMANDS}}
+    for _ in range(repeats):
+        walls["baseline"].append(_wall(base_cmd, cwd))
+        for name, args in CONFIG_COMMANDS.items():
+            walls[name].append(_wall([*cli, *args], cwd))
+    base = statistics.median(walls["baseline"])
+    print(f"python -c 'import hydra' (median of {repeats}): {base:5.2f} s")
+    ok = True
+    for name in CONFIG_COMMANDS:
+        wall = statistics.median(walls[name])
+        ok &= wall / base <= CONFIG_GOAL
+        print(f"capibara-exp {name:<18} {wall:5.2f} s  {wall / base:4.1f}x the baseline "
+              f"(goal <= {CONFIG_GOAL:.0f}x)")
+    return ok
+
+
+def _wall(cmd: list[str], cwd: Path) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)  # exit 2 for the mistake
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--config-only", action="store_true",
+                        help="only --help, --cfg job and a mistake against `import hydra`")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="capibara-config-") as tmp:
+        config_ok = config_paths(max(args.repeats, 5), Path(tmp))
+    print(f"{'PASS' if config_ok else 'FAIL'}: config commands within "
+          f"{CONFIG_GOAL:.0f}x `import hydra`")
+    if args.config_only:
+        return
     with tempfile.TemporaryDirectory(prefix="capibara-startup-") as tmp:
         root = Path(tmp)
         env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache")}

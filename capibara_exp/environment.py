@@ -60,11 +60,53 @@ def select_platform() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+# The logger name of capibara-exp's own console lines copied into the run log
+# (capibara-exp.log); a console handler that meets one drops it (printed already).
+CONSOLE_COPY = "capibara_exp.console"
+
+
 def set_log_levels(verbose: bool) -> None:
-    """Library loggers at ERROR unless verbose (then INFO): seqio's advice on uncached
-    tasks, orbax's file-by-file INFO lines, JAX's backend lookup."""
+    """The run log (a file handler on the root logger: Hydra's job_logging writes
+    capibara-exp.log in the run dir) takes every library's INFO records; the console shows
+    them only when verbose, else only warnings, and the QUIET_LOGGERS' (seqio's advice on
+    uncached tasks, orbax's file-by-file lines, JAX's backend lookup) only from ERROR up.
+    Without a file handler (no run log) the quiet loggers stay at ERROR, as before."""
+    root = logging.getLogger()
+    has_file = any(isinstance(h, logging.FileHandler) for h in root.handlers)
     for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
+        logging.getLogger(name).setLevel(
+            logging.INFO if verbose or has_file else logging.ERROR)
+    for handler in root.handlers:
+        if isinstance(handler, logging.FileHandler):
+            continue
+        for old in [f for f in handler.filters if isinstance(f, _ConsoleFilter)]:
+            handler.removeFilter(old)
+        handler.addFilter(_ConsoleFilter(verbose))
+
+
+class _ConsoleFilter(logging.Filter):
+    """What a console handler shows of the records the run log takes."""
+
+    def __init__(self, verbose: bool):
+        super().__init__()
+        self.verbose = verbose
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == CONSOLE_COPY:
+            return False  # printed already
+        if self.verbose:
+            return True
+        quiet = any(record.name == n or record.name.startswith(n + ".") for n in QUIET_LOGGERS)
+        return record.levelno >= (logging.ERROR if quiet else logging.WARNING)
+
+
+def copy_to_run_log(line: str) -> None:
+    """A line capibara-exp printed, into the run log too: the root logger's file handlers
+    only (where there are none, as in the commands whose Hydra log is stdout, nothing)."""
+    record = logging.LogRecord(CONSOLE_COPY, logging.INFO, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
 
 
 def import_tensorflow(verbose: bool = False) -> None:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
+from capibara_exp.environment import copy_to_run_log
+
 SHOW_AFTER_S = 3.0
 NOTE_EVERY_S = 15.0
 PROG = "capibara-exp"
@@ -26,6 +28,7 @@ class _Ticker:
         self.t0 = time.perf_counter()
         self.done = threading.Event()
         self.shown = False
+        self.detail = ""  # how far it got ("120/480 files", set by the caller), shown with the time
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.thread = threading.Thread(target=self._run, name="capibara-phase", daemon=True)
         self.thread.start()
@@ -43,29 +46,44 @@ class _Ticker:
     def _run(self) -> None:
         if self.done.wait(SHOW_AFTER_S):
             return
-        self.shown = True
         line = f"{PROG}: {self.what} ..."
-        self._write(line, "" if self.tty else "\n")
+        with _SCREEN:  # a phase inside another (a compile while the state is built): its own
+            self.shown = True  # line below the outer one's, which waits until it ends
+            self._write(("\n" if self.tty and _ON_SCREEN else "") + line,
+                        "" if self.tty else "\n")
+            _ON_SCREEN.append(self)
+        copy_to_run_log(line)
         while not self.done.wait(1.0 if self.tty else NOTE_EVERY_S):
-            if self.tty:
-                self._write(f"\r{line} {self._elapsed():.0f} s", "")
-            else:
-                self._write(f"{line} {self._elapsed():.0f} s", "\n")
+            detail = f" {self.detail}," if self.detail else ""
+            with _SCREEN:
+                if not self.tty:
+                    self._write(f"{line}{detail} {self._elapsed():.0f} s", "\n")
+                elif _ON_SCREEN[-1] is self:
+                    self._write(f"\r\033[K{line}{detail} {self._elapsed():.0f} s", "")
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join()
         if self.shown:
-            self._write(f"{chr(13) if self.tty else ''}{PROG}: {self.what}: "
-                        f"{self._elapsed():.1f} s", "\n")
+            took = f"{PROG}: {self.what}: {self._elapsed():.1f} s"
+            with _SCREEN:
+                top = _ON_SCREEN[-1] is self
+                _ON_SCREEN.remove(self)
+                self._write(("\r\033[K" if top else "\n") * self.tty + took, "\n")
+            copy_to_run_log(took)
+
+
+_SCREEN = threading.Lock()
+_ON_SCREEN: list[_Ticker] = []  # the phases shown and not ended, innermost last
 
 
 @contextlib.contextmanager
-def phase(what: str, stream: TextIO | None = None) -> Iterator[None]:
-    """Show `what` while the block runs, if it runs longer than SHOW_AFTER_S."""
+def phase(what: str, stream: TextIO | None = None) -> Iterator[_Ticker]:
+    """Show `what` while the block runs, if it runs longer than SHOW_AFTER_S; the block may
+    set the yielded ticker's `detail` to say how far it got."""
     ticker = _Ticker(what, stream or sys.stderr)
     try:
-        yield
+        yield ticker
     finally:
         ticker.stop()
 

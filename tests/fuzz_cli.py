@@ -55,6 +55,8 @@ SCRIPTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "capibara-exp-lora": ("capibara_exp.cli.lora",
                           [("capibara_exp.runtime.lora.export", "export_run")]),
     "capibara-exp-meta": ("capibara_exp.cli.meta", [("capibara_exp.meta_consensus", "run")]),
+    "capibara-exp-generate": ("capibara_exp.cli.generate",
+                              [("capibara_exp.generation.command", "run")]),
 }
 
 
@@ -172,6 +174,13 @@ def script_args(script: str) -> st.SearchStrategy[list[str]]:
     if script == "capibara-exp-lora":
         command = st.sampled_from(["export", "import", ""])
         return st.builds(lambda c, kv: [c, *kv], command, key_values(["run_dir", "out", "step"]))
+    if script == "capibara-exp-generate":
+        from capibara_exp.cli import generate
+
+        base = st.sampled_from([["checkpoint={root}/run", "prompts={root}/afile",
+                                 "out={root}/new/out.jsonl"], ["checkpoint={root}/run"], []])
+        return st.builds(lambda b, kv: [*b, *kv], base,
+                         key_values([*generate.REQUIRED, *generate.OPTIONAL]))
     raise KeyError(script)
 
 

@@ -20,6 +20,7 @@ from capibara_exp.cli import main as cli
 from capibara_exp.config_schema import Rule
 from capibara_exp.paths import CONF_DIR
 from tests.conftest import compose_config
+from tests.test_cli import error_lines
 
 # The group options under which a key exists (its group is off or another option otherwise).
 CONTEXT = {"model.num_experts": ["model=moe_tiny"], "engine.python": ["engine=t5x"],
@@ -162,7 +163,7 @@ def test_a_bad_command_line_is_one_line_and_status_2(args: list[str], tmp_path: 
     with pytest.raises(SystemExit) as stopped:
         cli.main([*args, f"model_dir={run_dir}"] if "-m" not in args else args)
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = error_lines(err)  # the starting line and phase lines are progress, not errors
     assert stopped.value.code == 2, err
     assert len(lines) == 1 and lines[0].startswith("capibara-exp: configuration error: "), err
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()

@@ -124,9 +124,11 @@ def test_callbacks_hear_begin_metrics_checkpoints_merge_and_end(tmp_path, data_d
 def test_callbacks_hear_a_preemption_and_the_resumed_run_begins_at_its_step(
         tmp_path, data_dir) -> None:
     recorder = Recorder(preempt_at=2)
-    with pytest.raises(Preempted):
+    with pytest.raises(Preempted) as stopped:
         _train(tmp_path, recorder)
     assert recorder.seen[-1] == ("preemption", 2, "checkpoint_2")
+    # the advice names the run dir: the command typed may not have (a new dated dir each time)
+    assert f"again with model_dir={tmp_path / 'run'} to resume" in str(stopped.value)
     assert ("train_end", 2) not in recorder.seen
     again = Recorder()
     _train(tmp_path, again)

@@ -16,7 +16,7 @@ SCALE = float(os.environ.get("CAPIBARA_FUZZ_SCALE", "1"))
 # Examples per script: the Hydra scripts compose a config per case (~0.1-0.3 s).
 EXAMPLES = {"capibara-exp": 110, "capibara-exp-merge": 50, "capibara-exp-data": 30,
             "capibara-exp-tune-mesh": 20, "capibara-exp-meta": 20, "capibara-exp-plot": 40,
-            "capibara-exp-convert": 40, "capibara-exp-lora": 30}
+            "capibara-exp-convert": 40, "capibara-exp-lora": 30, "capibara-exp-generate": 30}
 
 
 def _fuzz(script: str):

@@ -281,7 +281,10 @@ def test_peak_flops_are_measured_and_stored_in_the_compute_dtype(tmp_path: Path)
     assert metrics.run_peak_flops(tmp_path, "float32") == 1.5e11  # a resume keeps its figure
     bf16 = metrics.run_peak_flops(tmp_path, "bfloat16")  # a bf16 model: measured in bf16
     assert bf16 != 1.5e11 and bf16 > 1e8
-    assert json.loads(path.read_text()) == {"matmul_peak_flops": bf16, "dtype": "bfloat16"}
+    stored = json.loads(path.read_text())
+    assert {k: stored[k] for k in ("matmul_peak_flops", "dtype")} == {
+        "matmul_peak_flops": bf16, "dtype": "bfloat16"}
+    assert stored["method"].startswith("best of 6 jitted 2048x2048x2048 bfloat16 matmuls")
 
 
 # ----------------------------------------------------------------------------- experiment
@@ -406,3 +409,24 @@ def test_router_supervision_is_a_local_only_group() -> None:
         gin_bridge.render(cfg, "t5x", GIN_DIR)
     local = gin_bridge.render(cfg, "local", GIN_DIR)
     assert "ROUTER_LABEL_FEATURE = 'domain_id'  # router_supervision.router_label_feature" in local
+
+
+def test_a_kept_peak_from_before_boot_or_beaten_by_a_probe_is_measured_again(
+        tmp_path: Path) -> None:
+    """A kept MFU baseline holds only if measured since the machine booted and not beaten
+    by a quick probe now (one measured on a busy machine is)."""
+    import time
+
+    from capibara_exp import experiment
+
+    path = tmp_path / metrics.PEAK_FILE
+
+    def kept(peak: float, measured_at: float) -> bool:
+        path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": "float32",
+                                    "measured_at": measured_at}))
+        return experiment.peak_still_true(path, "float32")
+
+    assert experiment.boot_time() > 0  # Linux: /proc/stat's btime
+    assert not kept(1e30, experiment.boot_time() - 60)  # before this boot
+    assert not kept(1.0, time.time())  # 1 FLOP/s: measured while the machine was busy
+    assert kept(1e30, time.time())  # since boot, and no probe beats it

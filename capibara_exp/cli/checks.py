@@ -75,10 +75,13 @@ def check_run(comp: Composition, line: CommandLine) -> None:
 
     os.environ[experiment.DATA_DIR_ENV] = str(cfg.data_dir)
     experiment.prepare_data(cfg)  # before JAX loads: the build forks
-    environment.import_tensorflow(bool(cfg.get("verbose")))
-    from capibara_exp.runtime import gin_utils
+    from capibara_exp import phases
 
-    gin_utils.parse(experiment.CONFIG_GIN, text)  # the file the run will write
+    with phases.phase("importing TensorFlow, JAX and SeqIO to check config.gin"):
+        environment.import_tensorflow(bool(cfg.get("verbose")))
+        from capibara_exp.runtime import gin_utils
+
+        gin_utils.parse(experiment.CONFIG_GIN, text)  # the file the run will write
 
 
 def sources(comp: Composition) -> dict[str, str]:

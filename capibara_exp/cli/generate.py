@@ -20,6 +20,7 @@ import sys
 
 from capibara_exp import environment
 from capibara_exp.cli.common import fail, user_errors
+from capibara_exp.cli.shell import console
 from capibara_exp.errors import Preempted
 
 PROG = "capibara-exp-generate"
@@ -64,6 +65,7 @@ def _typed(key: str, value: str):
     return value
 
 
+@console(PROG, lambda argv: "the checkpoint as it was; the finished prompts' outputs in out")
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):

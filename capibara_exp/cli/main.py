@@ -1,8 +1,12 @@
 """Console script `capibara-exp`: check the command line, then let Hydra run `experiment.run`.
 
 Before Hydra starts the job (and makes its run dir), the command line is composed and
-checked (cli/checks.py): a mistake is one line and exit status 2 with nothing written.
-`--help` and `--cfg job` answer without loading JAX, TensorFlow or SeqIO.
+checked (cli/checks.py): a mistake is one line and exit status 2 with nothing written. Once
+it composes and its values check (Hydra alone, a second), the first line says so,
+`capibara-exp: starting (engine=...)`, before the rest of the checks load TensorFlow, JAX
+and SeqIO (a mistake found there follows that line). `--help` and `--cfg job` answer
+without loading JAX, TensorFlow or SeqIO. The run dir is checked (a writable directory),
+locked for this process, and removed again if the run is refused before it starts.
 """
 
 from __future__ import annotations
@@ -10,43 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-
-from capibara_exp.cli import checks, guards
-from capibara_exp.cli.common import (
-    checked_argv,
-    fail,
-    register_sweeper,
-    run_failed,
-    user_errors,
-)
 from capibara_exp.cli.shell import console, job
-from capibara_exp.errors import ConfigError, RunError
-from capibara_exp.paths import CONF_DIR
 
 PROG = "capibara-exp"
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-@job
-def _app(cfg: DictConfig) -> dict | None:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from capibara_exp import experiment  # heavy imports start here
-
-    hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    try:
-        return experiment.run(cfg, Path(hc.runtime.output_dir), dict(hc.runtime.choices),
-                              multirun)
-    except (ConfigError, RunError) as err:
-        if multirun:
-            raise  # the sweeper records the job as failed and goes on
-        if isinstance(err, RunError):
-            run_failed(PROG, err)
-        fail(PROG, f"configuration error: {err}")
 
 
 def kept(argv: list[str]) -> str:
@@ -61,6 +31,45 @@ def kept(argv: list[str]) -> str:
             f"no checkpoint of {run_dir} was written")
 
 
+@console(PROG, kept)
+def main(argv: list[str] | None = None) -> None:
+    from capibara_exp.cli.common import checked_argv, register_sweeper, user_errors
+
+    line, comp, hydra_argv = checked_argv(PROG, "config", sys.argv[1:] if argv is None else argv)
+    from capibara_exp.cli import help as app_help
+
+    if comp is None and app_help.wants_help(line):  # Hydra's text, without Hydra's wait
+        with user_errors(PROG, prefix="configuration error: "):
+            print(app_help.render("config", line))
+        return
+    if comp is not None:
+        check_paths(comp, line)
+        # Composed and its values checked (Hydra only): the first line, before the rest of
+        # the checks import TensorFlow, JAX and SeqIO. A compose-time mistake stays one line.
+        if not line.shows_config:
+            sweep = " (a sweep)" if line.multirun else ""
+            print(f"{PROG}: starting (engine={comp.cfg.engine.name}){sweep} ...",
+                  file=sys.stderr, flush=True)
+        from capibara_exp.cli import checks
+
+        with user_errors(PROG, prefix="configuration error: "):
+            checks.check_run(comp, line)
+        if app_help.plain_job_config(line):  # Hydra's text from this composition: not twice
+            sys.stdout.write(app_help.job_config(comp.cfg))
+            return
+    sys.argv = [sys.argv[0], *hydra_argv]
+    register_sweeper()
+    if comp is None or not _writes_here(comp, line):
+        _app()
+        return
+    from capibara_exp.cli import guards
+
+    run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
+    with guards.undone_if_refused(run_dir):
+        hold_run_dir(comp, line)
+        _app()
+
+
 def _writes_here(comp, line) -> bool:
     """A run of this machine (not a sweep, --cfg, or a TPU VM launch on shared storage)."""
     return not (line.multirun or line.shows_config or comp.cfg.engine.name == "tpu_vm")
@@ -71,6 +80,9 @@ def check_paths(comp, line) -> None:
     can read (or make)."""
     if not _writes_here(comp, line):
         return
+    from capibara_exp.cli import guards
+    from capibara_exp.cli.common import user_errors
+
     with user_errors(PROG, prefix="configuration error: "):
         guards.writable_dir("model_dir", comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir)
         guards.dir_or_creatable("data_dir", comp.cfg.data_dir)  # built data may be read-only
@@ -80,31 +92,44 @@ def hold_run_dir(comp, line) -> None:
     """The run dir, locked for this process, before Hydra writes its first file there."""
     if not _writes_here(comp, line):
         return
+    from capibara_exp import run_lock
+    from capibara_exp.cli.common import user_errors
+
     run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
     with user_errors(PROG, prefix="configuration error: "):
-        from capibara_exp import run_lock
-
         note = run_lock.hold(run_dir)
     if note:
         print(f"{PROG}: {note}", file=sys.stderr)
 
 
-@console(PROG, kept)
-def main(argv: list[str] | None = None) -> None:
-    line, comp, hydra_argv = checked_argv(PROG, "config", sys.argv[1:] if argv is None else argv)
-    if comp is not None:
-        check_paths(comp, line)
-        with user_errors(PROG, prefix="configuration error: "):
-            checks.check_run(comp, line)
-    sys.argv = [sys.argv[0], *hydra_argv]
-    register_sweeper()
-    if comp is None or not _writes_here(comp, line):
-        _app()
-        return
-    run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
-    with guards.undone_if_refused(run_dir):
-        hold_run_dir(comp, line)
-        _app()
+def _app() -> None:
+    """Hydra's app around `_run`, built here so that importing this module imports nothing."""
+    import hydra
+
+    from capibara_exp.paths import CONF_DIR
+
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(job(_run))()
+
+
+def _run(cfg):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from capibara_exp import experiment  # heavy imports start here
+    from capibara_exp.cli.common import fail, run_failed
+    from capibara_exp.errors import ConfigError, RunError
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    try:
+        return experiment.run(cfg, Path(hc.runtime.output_dir), dict(hc.runtime.choices),
+                              multirun)
+    except (ConfigError, RunError) as err:
+        if multirun:
+            raise  # the sweeper records the job as failed and goes on
+        if isinstance(err, RunError):
+            run_failed(PROG, err)
+        fail(PROG, f"configuration error: {err}")
 
 
 if __name__ == "__main__":

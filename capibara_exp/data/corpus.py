@@ -84,16 +84,11 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
         return json.loads(manifest_path.read_text())
-    seen: set[str] = set()
-    splits: dict[str, list[str]] = {"train": [], "validation": []}
-    sources = stdlib_sources()
-    for path in sources:
-        for doc in _docstrings(path.read_text(encoding="utf-8", errors="replace")):
-            for line in _lines(doc):
-                if line in seen:
-                    continue
-                seen.add(line)
-                splits["validation" if _is_validation(line) else "train"].append(line)
+    from capibara_exp import phases
+
+    with phases.phase(f"building the text corpus under {out_dir} (first use only)") as shown:
+        sources = stdlib_sources()
+        splits = _read_splits(sources, shown)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {"source": "docstrings of the Python stdlib at " + sysconfig.get_paths()["stdlib"],
                 "files_read": len(sources), "splits": {}}
@@ -104,6 +99,21 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
                                      "sha256": hashlib.sha256(payload).hexdigest()}
     atomic_write(manifest_path, json.dumps(manifest, indent=2).encode())
     return manifest
+
+
+def _read_splits(sources: tuple[Path, ...], shown: object) -> dict[str, list[str]]:
+    """The corpus' lines by split, from each file's docstrings (progress on `shown`)."""
+    seen: set[str] = set()
+    splits: dict[str, list[str]] = {"train": [], "validation": []}
+    for i, path in enumerate(sources):
+        shown.detail = f"{i}/{len(sources)} files read"
+        for doc in _docstrings(path.read_text(encoding="utf-8", errors="replace")):
+            for line in _lines(doc):
+                if line in seen:
+                    continue
+                seen.add(line)
+                splits["validation" if _is_validation(line) else "train"].append(line)
+    return splits
 
 
 def atomic_write(path: Path, payload: bytes) -> None:

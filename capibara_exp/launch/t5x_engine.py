@@ -27,6 +27,8 @@ METRICS = "metrics.jsonl"
 T5X_EVAL_DIR = "training_eval"  # T5X's train-eval summaries: training_eval/<task>/
 EVAL_DIR = "train_eval"  # the local engine's, and the run dir's
 VERBOSE_ENV = "CAPIBARA_VERBOSE"
+RUN_LOG_ENV = "CAPIBARA_RUN_LOG"
+RUN_LOG = "capibara-exp.log"  # Hydra's job log in the run dir (hydra.job.name)
 
 
 def command(python: str | None, gin_path: Path, flags: list[str]) -> list[str]:
@@ -40,12 +42,15 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
     """Run T5X; then metrics.jsonl and train_eval/ as the local engine writes them. Returns
     the last train_eval metrics."""
     rendered = gin_path.read_text()
-    env = {**os.environ, VERBOSE_ENV: "1" if verbose else "0"}
+    env = {**os.environ, VERBOSE_ENV: "1" if verbose else "0",
+           RUN_LOG_ENV: str(run_dir / RUN_LOG)}  # T5X's Python log joins the run's
     if compilation_cache_dir:  # JAX reads these at start: T5X's compiles go in the cache too
         env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache_dir),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     watcher = _Progress(run_dir, total_steps)
+    _say(f"T5X trains {gin_path} to step {total_steps} (t5x.train in a child process; its "
+         f"Python log goes to {run_dir / RUN_LOG})")
     try:
         result = subprocess.run(cmd, check=False, env=env)
     finally:
@@ -58,9 +63,8 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
         raise RunError(f"t5x.train exited with status {result.returncode}; see its output above")
     evaluation = last_train_eval(run_dir)
     if evaluation and "loss" in evaluation:  # the local engine's eval line, for the last one
-        print(f"step {evaluation['step']}: eval loss {evaluation['loss']:.4f}"
-              + (f" accuracy {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else ""),
-              file=sys.stderr, flush=True)
+        _say(f"step {evaluation['step']}: eval loss {evaluation['loss']:.4f}"
+             + (f" accuracy {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else ""))
     from capibara_exp.runtime.metrics import final_metrics
 
     return final_metrics(run_dir) or evaluation
@@ -120,10 +124,16 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
-def local_metrics(t5x: dict[str, float]) -> dict[str, float]:
+# Train-record keys only the local engine measures: T5X's summaries have no gradient norm,
+# no data wait, no FLOPs and no memory figures (memory/* keys, where the backend has them).
+LOCAL_ONLY = ("grad_norm", "data_wait_share", "mfu", "mfu_peak_flops")
+
+
+def local_metrics(t5x: dict[str, float], split: str = "train") -> dict[str, float]:
     """T5X's summaries under the local engine's names and meanings (runtime/metrics.py): loss,
-    cross-entropy and z-loss per non-padding target token, accuracy, perplexity, learning
-    rate, step time and real tokens per second."""
+    cross-entropy and z-loss per non-padding target token, accuracy, perplexity and real
+    target tokens; for train also learning rate, step time, real tokens per second and
+    packing fill. The same keys as the local engine's records but LOCAL_ONLY."""
     fraction = t5x.get("non_padding_fraction/loss_weights") or 1.0
     out: dict[str, float] = {}
     if "loss_per_nonpadding_target_token" in t5x:
@@ -137,10 +147,18 @@ def local_metrics(t5x: dict[str, float]) -> dict[str, float]:
         out["perplexity"] = math.exp(min(out["cross_ent_loss"], 50.0))
     if "learning_rate/current" in t5x or "learning_rate" in t5x:
         out["learning_rate"] = t5x.get("learning_rate/current", t5x.get("learning_rate"))
+    if "timing/target_tokens_per_second" in t5x and "timing/seconds" in t5x:
+        # all token slots per second x the seconds they were counted over x the real share
+        out["target_tokens"] = float(round(t5x["timing/target_tokens_per_second"]
+                                           * t5x["timing/seconds"] * fraction))
+    if split == "train_eval":  # the local engine times only training
+        return out
     if t5x.get("timing/steps_per_second"):
         out["step_time_s"] = 1.0 / t5x["timing/steps_per_second"]
     if "timing/target_tokens_per_second" in t5x:
         out["tokens_per_s"] = t5x["timing/target_tokens_per_second"] * fraction
+    if "non_padding_fraction/loss_weights" in t5x:
+        out["packing_fill"] = fraction  # real target tokens over the batch's token slots
     return out
 
 
@@ -151,13 +169,18 @@ def write_metrics(run_dir: Path) -> None:
     done = _recorded_steps(run_dir)
     sources = {"train": [run_dir / "train"],
                "train_eval": sorted((run_dir / T5X_EVAL_DIR).glob("*")) + [run_dir / EVAL_DIR]}
-    records = []
+    records, starts = [], set()
     for split, dirs in sources.items():
         for directory in dirs:
             for step, wall, scalars in _events(directory) if directory.is_dir() else []:
-                metrics = local_metrics(scalars)
+                if "timing/init_or_restore_seconds" in scalars:
+                    starts.add(step)  # an invocation started (or resumed) here
+                metrics = local_metrics(scalars, split)
                 if "loss" in metrics and step > done.get(split, -1):
                     records.append({"step": step, "split": split, "time": wall, **metrics})
+    # The local engine reports no train record for the first step of an invocation (its
+    # compile step, not timed): neither does this.
+    records = [r for r in records if not (r["split"] == "train" and r["step"] - 1 in starts)]
     records.sort(key=lambda r: (r["step"], r["split"] != "train"))
     with path.open("a") as out:
         for record in records:
@@ -229,6 +252,9 @@ class _Progress:
     def __init__(self, run_dir: Path, total_steps: int):
         self.run_dir, self.total_steps = run_dir, total_steps
         self.shown = _recorded_steps(run_dir).get("train", -1)  # shown by an earlier run
+        from capibara_exp.runtime.metrics import Progress
+
+        self.line = Progress(total_steps)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True, name="t5x-progress")
         self.thread.start()
@@ -244,18 +270,25 @@ class _Progress:
         except Exception:  # a file T5X is writing: read it next time
             return
         for step, _, scalars in events:
-            metrics = local_metrics(scalars)
-            if step > self.shown and "loss" in metrics:
-                line = f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}"
-                if "tokens_per_s" in metrics:
-                    line += f"  {metrics['tokens_per_s'] / 1e3:.1f}k tok/s"
-                print(line, file=sys.stderr, flush=True)
+            m = local_metrics(scalars)
+            if step > self.shown and "loss" in m:
+                # The local engine's line, from T5X's own timing summaries (T5X measures no
+                # data wait: that field is left out).
+                self.line.update(step, m["loss"], m.get("tokens_per_s", 0.0),
+                                 m.get("step_time_s", 0.0))
                 self.shown = step
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join()
         self.show()
+
+
+def _say(message: str) -> None:
+    from capibara_exp.environment import copy_to_run_log
+
+    print(f"capibara-exp: {message}", file=sys.stderr, flush=True)
+    copy_to_run_log(f"capibara-exp: {message}")
 
 
 def check_installed() -> None:
@@ -265,6 +298,10 @@ def check_installed() -> None:
         raise ConfigError(INSTALL_HINT)
 
 
-INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI: on a TPU VM run "
-                "`pip install 'git+https://github.com/google-research/t5x'` (and libtpu for "
-                "TPUs), then re-run; engine=local trains the same config.gin without it.")
+INSTALL_HINT = ("T5X is not installed in this environment. It is not on PyPI; into this venv "
+                "(any machine, CPU too): pip install --no-deps "
+                "'git+https://github.com/google-research/t5x' "
+                "'git+https://github.com/google/airio' "
+                "'git+https://github.com/google-research/jestimator' && pip install fiddle chex "
+                "jaxtyping cached_property grain tensorboard (docs/t5x_engine.md, Installing "
+                "T5X); engine=local trains the same config.gin without it.")

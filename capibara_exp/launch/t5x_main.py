@@ -5,6 +5,8 @@ they last. engine=t5x runs this; the flags are t5x.train's."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import runpy
 import sys
@@ -14,17 +16,74 @@ from capibara_exp import environment, phases
 VERBOSE_ENV = "CAPIBARA_VERBOSE"
 
 
+RUN_LOG_ENV = "CAPIBARA_RUN_LOG"
+
+
 def main() -> None:
     verbose = os.environ.get(VERBOSE_ENV) == "1"
     environment.prepare(verbose)
-    environment.import_tensorflow(verbose)
-    if not verbose and not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
+    with phases.phase("importing T5X, TensorFlow, JAX and SeqIO"):
+        environment.import_tensorflow(verbose)
+        import t5x  # noqa: F401 (the package, not t5x.train: runpy runs that as __main__)
+    chosen = any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:])
+    if os.environ.get(RUN_LOG_ENV):
+        # T5X's Python log (absl: each step, seqio's advice, orbax's files) goes to the run
+        # log at INFO; the console shows it too only when verbose, else fatal lines only.
+        _absl_to_file(os.environ[RUN_LOG_ENV])
+        sys.argv += [] if chosen else ["--verbosity=0"]
+        sys.argv += ["--alsologtostderr"] if verbose else []
+    elif not verbose and not chosen:
         # absl's level for T5X's own logging: fatal only (T5X logs each step at INFO and
         # seqio warns about uncached tasks); capibara-exp shows the progress instead.
         sys.argv.append("--verbosity=-3")
     phases.show_compiles()
+    logging.getLogger().addHandler(_T5XPhases())
     sys.argv[0] = "t5x.train"
     runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
+
+
+# What T5X's train.py logs as it enters a phase that can last, and the phase line for it
+# (capibara-exp's words, as the local engine's); any later train.py record ends the phase.
+T5X_PHASES = (
+    ("Using seed for initialization", "T5X: building the data sets, initializing or "
+                                      "restoring the model"),
+    ("Saving checkpoint", "T5X: saving a checkpoint"),
+    ("Saving emergency checkpoint", "T5X: saving a checkpoint"),
+    ("Computing training evaluation metrics", "T5X: evaluating"),
+    ("Running training eval before training", "T5X: evaluating"),
+    ("Running inference eval", "T5X: running the inference evaluation"),
+)
+
+
+class _T5XPhases(logging.Handler):
+    """Phase lines from T5X's own log records (train.py's INFO lines), which reach every
+    root handler whatever is shown: T5X's silences get the local engine's phase lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.current: contextlib.ExitStack | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.filename != "train.py" or "t5x" not in record.pathname:
+            return
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        message = record.getMessage()
+        for start, what in T5X_PHASES:
+            if message.startswith(start):
+                self.current = contextlib.ExitStack()
+                self.current.enter_context(phases.phase(what))
+                return
+
+
+def _absl_to_file(path: str) -> None:
+    """absl's handler (which app.run puts on the root logger) writes to `path`; records at
+    its stderr threshold (fatal) still reach the console too."""
+    from absl import logging as absl_logging
+
+    handler = absl_logging.get_absl_handler().python_handler
+    handler.stream = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from tensorboardX import SummaryWriter
 
+from capibara_exp.environment import copy_to_run_log
 from capibara_exp.metrics_file import read_records, tell_damaged
 
 
@@ -58,15 +59,27 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 6, dtype: str = "float32") -
 
 def run_peak_flops(model_dir: str | Path, dtype: str = "float32") -> float:
     """This machine's measured matmul peak in the model's compute dtype, cached in the run
-    dir (with its dtype) so a resumed run's MFU is measured against the same figure."""
+    dir (with its dtype, how and when it was measured) so a resumed run's MFU is measured
+    against the same figure (experiment.machine_peak measures again one that went stale)."""
     path = Path(model_dir) / PEAK_FILE
     if path.exists():
         stored = json.loads(path.read_text())
         if stored.get("dtype", "float32") == dtype:
             return float(stored["matmul_peak_flops"])
     peak = matmul_peak_flops(dtype=dtype)
-    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": dtype}) + "\n")
+    path.write_text(json.dumps({"matmul_peak_flops": peak, "dtype": dtype,
+                                "method": peak_method(dtype), "measured_at": time.time()}) + "\n")
     return peak
+
+
+def peak_method(dtype: str, n: int = 2048, repeats: int = 6) -> str:
+    """How matmul_peak_flops measures, in words (kept beside the figure)."""
+    import jax
+
+    device = jax.devices()[0]
+    kind = "" if device.device_kind == device.platform else f" ({device.device_kind})"
+    return f"best of {repeats} jitted {n}x{n}x{n} {dtype} matmuls on one {device.platform} " \
+        f"device{kind}"
 
 
 def model_flops_per_token(config: Any, length: int, moe_config: Any = None) -> float:
@@ -157,12 +170,16 @@ class NullWriter:
         pass
 
 
+PREFIX = "capibara-exp: "
+
+
 class Progress:
     """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal."""
 
     def __init__(self, total_steps: int, stream: TextIO | None = None):
         self.total_steps = total_steps
         self.stream = stream or sys.stderr  # looked up now: a redirected stderr counts
+        self.logged = stream is None  # the console's lines go in the run log too
         self.tty = self.stream.isatty()
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_s: float,
@@ -178,10 +195,15 @@ class Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+        if self.logged:
+            copy_to_run_log(line)
 
     def message(self, text: str) -> None:
-        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        """A line of its own, with capibara-exp's prefix (the step lines are the bar)."""
+        self.stream.write(("\r\033[K" if self.tty else "") + PREFIX + text + "\n")
         self.stream.flush()
+        if self.logged:
+            copy_to_run_log(PREFIX + text)
 
 
 def _clock(seconds: float) -> str:

@@ -1,10 +1,9 @@
 """`train_script.train`: T5X's train contract, run by the local engine.
 
-A plain function of its arguments (gin binds them at the edge, in gin_utils), in four
-phases: setup (checks, sizes against memory, the compiled step, the state), restore (the
-newest checkpoint that verifies, with the data position), the loop (train, evaluate,
-checkpoint and run actions on T5X's schedule; stop cleanly on SIGTERM/SIGINT) and finish.
-The state/step API the other parts build runs from lives in runtime/state.py.
+A plain function of its arguments (gin binds them at the edge, in gin_utils), in four phases:
+setup (checks, sizes against memory, the compiled step, the state), restore (the newest
+verified checkpoint, with the data position), the loop (train, evaluate, checkpoint, actions
+on T5X's schedule; a clean stop on SIGTERM/SIGINT), finish. State/step API: runtime/state.py.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any
 
 import jax
 
+from capibara_exp import phases
 from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
 from capibara_exp.runtime import checkpoints, infer_eval, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
@@ -151,7 +151,8 @@ def train(
     """
     args = dict(locals())
     _check_arguments(args)
-    run, state = _setup(args)
+    with phases.phase("building the train step and the model state"):
+        run, state = _setup(args)
     try:
         restored: list[Path] = []
         state, start_step = resume.restore(state, checkpoint_cfg.restore, run.model_dir,
@@ -285,8 +286,8 @@ def _first_step(run: _Run, step: int) -> None:
     run.guard.check_now()
     if jax.process_index() == 0:
         run.args["summarize_config_fn"](run.model_dir, run.writer, step)
-    run.progress.message(f"compiled and ran step {step}; training to step "
-                         f"{run.args['total_steps']}")
+    total = run.args["total_steps"]
+    run.progress.message(f"compiled and ran step {step}; training to step {total}")
     run.window.reset()
 
 
@@ -335,8 +336,9 @@ def _save(run: _Run, state: TrainState, step: int, kind: str, wait: bool = False
     model = run.args["model"]  # it may add files to each checkpoint (LoRA: its base's pointer)
     sidecars = model.checkpoint_sidecars() if hasattr(model, "checkpoint_sidecars") else None
     try:
-        run.saver.save(step, checkpoints.cast_floats(state.state_dict(), run.save_cfg.dtype),
-                       kind, wait=wait, sidecars=sidecars)
+        with phases.phase(f"saving checkpoint_{step}"):
+            run.saver.save(step, checkpoints.cast_floats(state.state_dict(), run.save_cfg.dtype),
+                           kind, wait=wait, sidecars=sidecars)
     except checkpoints.NonFiniteState as err:
         run.guard.diverged(str(err))
     run.saved.add(step)
@@ -358,8 +360,9 @@ def _preempted(run: _Run, state: TrainState, step: int, signal_name: str | None)
             _save(run, state, step, "preemption", wait=True)
         run.events.saved(run.saver, wait=True)
         saved = f"{run.model_dir}/checkpoint_{step} holds every finished step"
-    message = (f"preempted by {signal_name} after step {step}: {saved}; run the same command "
-               "again to resume")
+    # Named: without model_dir the same command makes a new dated run dir, from step 0.
+    message = f"preempted by {signal_name} after step {step}: {saved}; run the same command " \
+        f"again with model_dir={run.model_dir} to resume"
     run.progress.message(message)
     run.events.emit("preemption", step=step,
                     path=f"{run.model_dir}/checkpoint_{step}" if run.saver else None)
@@ -384,7 +387,8 @@ def _evaluate_and_act(run: _Run, state: TrainState, step: int) -> bool:
 def _train_eval(run: _Run, state: TrainState, step: int) -> dict[str, dict]:
     """One train-eval pass, written and shown; T5X's metrics_by_task for the actions."""
     run.guard.check_now()
-    eval_m = summarize(sum_metrics([run.trainer.eval_step(state, b) for b in run.eval_batches]))
+    with phases.phase(f"evaluating at step {step}"):
+        eval_m = summarize(sum_metrics([run.trainer.eval_step(state, b) for b in run.eval_batches]))
     run.writer.write(step, "train_eval", eval_m)
     run.progress.message(f"step {step}: eval loss {eval_m['loss']:.4f} "
                          f"accuracy {eval_m['accuracy']:.4f}")

@@ -115,6 +115,7 @@ class StepWindow:
                  packing_fill=self.tokens / (n * self.tokens_per_step))
         if self.peak_flops:
             m["mfu"] = self.flops_per_step / (elapsed / n) / self.peak_flops
+            m["mfu_peak_flops"] = self.peak_flops  # what it is measured against, beside it
         if "skipped_steps" in sums:
             m.update(skipped_steps=sums["skipped_steps"], skipped_steps_total=skipped_total)
         self.reset()
