@@ -22,6 +22,23 @@ from capibara_exp.errors import ConfigError
 LOCK_NAME = ".capibara.lock"
 
 
+def refuse_if_held(directory: str | Path, what: str = "model_dir") -> None:
+    """ConfigError when a live process (not this one) holds the lock of `directory`; takes
+    and writes nothing (the command line's checks, before the run's first line)."""
+    directory = Path(directory)
+    holder = _read(directory / LOCK_NAME)
+    if holder is not None and _alive(holder) and not (
+            holder.get("pid") == os.getpid() and holder.get("host") == _host()):
+        raise ConfigError(_in_use(directory, what, holder))
+
+
+def _in_use(directory: Path, what: str, holder: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("time", 0)))
+    return (f"{what}={directory}: in use by pid {holder.get('pid')} on host "
+            f"{holder.get('host')} (since {since}); wait for that run to end or use "
+            f"another dir (if that process is gone, remove {directory / LOCK_NAME})")
+
+
 def hold(directory: str | Path, what: str = "model_dir") -> str | None:
     """Take the lock of `directory` (made if missing) for this process; a note when a stale
     lock was taken over, else None. ConfigError when a live process holds it."""
@@ -40,11 +57,7 @@ def hold(directory: str | Path, what: str = "model_dir") -> str | None:
         if holder is not None and _alive(holder):
             if holder.get("pid") == os.getpid() and holder.get("host") == _host():
                 return note  # this process took it already (a second job of one multirun)
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("time", 0)))
-            raise ConfigError(
-                f"{what}={directory}: in use by pid {holder.get('pid')} on host "
-                f"{holder.get('host')} (since {since}); wait for that run to end or use "
-                f"another dir (if that process is gone, remove {path})")
+            raise ConfigError(_in_use(directory, what, holder))
         note = (f"took over the stale lock of {directory} (pid {holder.get('pid')} on "
                 f"{holder.get('host')} is gone)" if holder else
                 f"took over the unreadable lock file {path}")

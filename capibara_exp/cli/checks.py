@@ -5,6 +5,7 @@ run the rendered config.gin, parsed against the engine's configurables."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -45,8 +46,11 @@ def _absolute_gin_file(key: str, value: str) -> str:
         else value
 
 
-def check_run(comp: Composition, line: CommandLine) -> None:
-    """capibara-exp's checks beyond the values: sweeps, engines, the rendered gin."""
+def check_run(comp: Composition, line: CommandLine,
+              starting: Callable[[], None] = lambda: None) -> None:
+    """capibara-exp's checks beyond the values: sweeps, engines, the rendered gin.
+    `starting()` runs once the light checks pass, before the data build and the imports of
+    TensorFlow, JAX and SeqIO (what is found before it stays one line)."""
     cfg = without_hydra(comp.cfg)
     if line.multirun:
         check_sweep(comp)
@@ -69,6 +73,7 @@ def check_run(comp: Composition, line: CommandLine) -> None:
         cfg = _bind_model_dir(cfg, str(Path(comp.cfg.hydra.run.dir).absolute()))
     text = gin_bridge.render(cfg, "local", GIN_DIR, sources(comp))
     gin_flags.check(comp, cfg, text, line.gin_flags)
+    starting()
     if line.multirun or line.shows_config or cfg.engine.name == "tpu_vm":
         return
     from capibara_exp import experiment

@@ -44,16 +44,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     if comp is not None:
         check_paths(comp, line)
-        # Composed and its values checked (Hydra only): the first line, before the rest of
-        # the checks import TensorFlow, JAX and SeqIO. A compose-time mistake stays one line.
-        if not line.shows_config:
-            sweep = " (a sweep)" if line.multirun else ""
-            print(f"{PROG}: starting (engine={comp.cfg.engine.name}){sweep} ...",
-                  file=sys.stderr, flush=True)
         from capibara_exp.cli import checks
 
+        def starting() -> None:
+            # Composed, its values, paths and gin flags checked (a second): the first line,
+            # before the rest of the checks import TensorFlow, JAX and SeqIO. A mistake
+            # found before it stays one line.
+            if not line.shows_config:
+                sweep = " (a sweep)" if line.multirun else ""
+                print(f"{PROG}: starting (engine={comp.cfg.engine.name}){sweep} ...",
+                      file=sys.stderr, flush=True)
+
         with user_errors(PROG, prefix="configuration error: "):
-            checks.check_run(comp, line)
+            checks.check_run(comp, line, starting)
         if app_help.plain_job_config(line):  # Hydra's text from this composition: not twice
             sys.stdout.write(app_help.job_config(comp.cfg))
             return
@@ -83,9 +86,13 @@ def check_paths(comp, line) -> None:
     from capibara_exp.cli import guards
     from capibara_exp.cli.common import user_errors
 
+    from capibara_exp import run_lock
+
+    run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
     with user_errors(PROG, prefix="configuration error: "):
-        guards.writable_dir("model_dir", comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir)
+        guards.writable_dir("model_dir", run_dir)
         guards.dir_or_creatable("data_dir", comp.cfg.data_dir)  # built data may be read-only
+        run_lock.refuse_if_held(run_dir)  # taken later, just before the run starts
 
 
 def hold_run_dir(comp, line) -> None:
