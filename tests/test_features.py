@@ -233,11 +233,11 @@ def test_mfu_is_reported_and_plot_renders_the_run(tmp_path: Path, data_dir, caps
     mfu = [r["mfu"] for r in records if r["split"] == "train"]
     assert mfu and all(0 < m < 1 for m in mfu)
     assert json.loads((tmp_path / "peak_flops.json").read_text())["matmul_peak_flops"] > 1e8
-    plot_cli.main([str(tmp_path)])  # returns (exit 0) and prints the PNG's path once
-    out = tmp_path / "curves.png"
+    out = tmp_path.parent / f"{tmp_path.name}_curves.png"  # beside the run: it is only read
+    plot_cli.main([str(tmp_path), "--out", str(out)])  # returns (exit 0), prints the path once
     assert capsys.readouterr().out == f"{out}\n"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit) as exit_info:
         plot_cli.main([str(tmp_path / "nowhere")])
     assert exit_info.value.code == 2
-    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert "nowhere: no such file or directory" in capsys.readouterr().err
