@@ -111,7 +111,7 @@ def measure_decoding(args) -> dict:
     t_bare_gen = best_of(lambda: jax.block_until_ready(bare(params, prompt)))
     s = decoding.Sampling(max_new_tokens=args.new)
     model = decoding.t5x_model(net, seqio.ByteVocabulary(), s)
-    program = decoding._predict_program(model, s)
+    program = decoding.predict_program(model, s)
     batch = {k: jnp.asarray(v) for k, v in decoding.prompt_batch(
         [list(map(int, row)) for row in np.asarray(prompt)], length).items()}
     t_gen = best_of(lambda: jax.block_until_ready(program(params, batch, jax.random.PRNGKey(0))))

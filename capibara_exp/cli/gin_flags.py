@@ -38,11 +38,12 @@ def check(comp: Composition, cfg: DictConfig, text: str, flags: dict[str, str]) 
     keys = macro_keys(comp)
     defined = set(_DEFINED.findall(text.split(BINDINGS_MARK)[0]))
     for i, binding in enumerate(list(cfg.get("gin_bindings") or [])):
+        where = flags.get(str(binding), f"gin_bindings[{i}]")
+        _check_syntax(str(binding), where)
         found = _MACRO.match(str(binding))
         if not found:
             continue  # not NAME = VALUE: the bridge names it
         name, value_text = found.group(1), found.group(2).strip()
-        where = flags.get(str(binding), f"gin_bindings[{i}]")
         key = keys.get(name)
         if key is None or key.split(".")[0] not in cfg or cfg.get(key.split(".")[0]) is None:
             if name not in defined and name.isupper():
@@ -62,6 +63,29 @@ def check(comp: Composition, cfg: DictConfig, text: str, flags: dict[str, str]) 
 
 
 _NOT_LITERAL = object()
+_BINDING = re.compile(r"^\s*([A-Za-z_][\w./]*)\s*=(.*)$", re.S)
+
+
+def _check_syntax(binding: str, where: str) -> None:
+    """A value gin's own parser cannot read is refused here, before anything heavy loads
+    (a reference to a configurable is left to the full check, which imports the modules)."""
+    import tokenize
+
+    import gin
+
+    found = _BINDING.match(binding)
+    if not found:
+        return
+    try:
+        gin.config.parse_value(found.group(2).strip())
+    except (SyntaxError, tokenize.TokenError) as err:
+        message = str(err.args[0] if err.args else err).splitlines()[0]
+        if message.startswith("malformed node"):  # ast's words for a bare name
+            message = "gin takes a Python literal, a %MACRO or an @configurable"
+        raise ConfigError(f"{where} ({found.group(1)}): {message}; "
+                          f"{found.group(2).strip()[:40]!r} is not a gin value") from None
+    except Exception:  # noqa: BLE001 - references and the rest: the full check names them
+        return
 
 
 def _literal(text: str) -> object:

@@ -83,10 +83,9 @@ def check_paths(comp, line) -> None:
     can read (or make)."""
     if not _writes_here(comp, line):
         return
+    from capibara_exp import run_lock
     from capibara_exp.cli import guards
     from capibara_exp.cli.common import user_errors
-
-    from capibara_exp import run_lock
 
     run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
     with user_errors(PROG, prefix="configuration error: "):

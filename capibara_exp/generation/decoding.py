@@ -87,7 +87,7 @@ def prompt_batch(prompts: Sequence[Sequence[int]], length: int) -> dict[str, np.
             "decoder_causal_attention": causal}
 
 
-def _predict_program(model: Any, s: Sampling) -> Any:
+def predict_program(model: Any, s: Sampling) -> Any:
     def predict(params, batch, rng):
         decodes, aux = model.predict_batch_with_aux(
             params, batch, rng=None if s.method == "beam" else rng,
@@ -117,7 +117,7 @@ def generate(module: Any, params: Any, vocabulary: Any, prompts: Sequence[Sequen
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt (T5X's decoding needs at least one token)")
     model = t5x_model(module, vocabulary, s)
-    program = _predict_program(model, s)
+    program = predict_program(model, s)
     batch_size = min(batch_size, len(prompts))  # no rows decoded for nothing
     width = max(len(p) for p in prompts)
     length = width + 1 + s.max_new_tokens

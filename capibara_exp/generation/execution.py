@@ -142,8 +142,8 @@ def run_program(code: str, limits: Limits | None = None, python: str | None = No
     try:
         (work / "main.py").write_text(code, encoding="utf-8")
         (work / "sitecustomize.py").write_text(
-            _GUARD + ("" if _namespaces() else sandbox._NO_SOCKETS), encoding="utf-8")
-        env = {**sandbox._env(work), "PYTHONPATH": str(work)}
+            _GUARD + ("" if _namespaces() else sandbox.NO_SOCKETS), encoding="utf-8")
+        env = {**sandbox.program_env(work), "PYTHONPATH": str(work)}
         with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err:
             proc = subprocess.Popen(
                 [*_namespaces(), python or interpreter(), "-s", "main.py"], cwd=work,

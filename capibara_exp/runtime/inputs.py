@@ -312,3 +312,11 @@ def _kernel_batches(
             yield item
     finally:
         stop.set()
+
+
+def eval_batches(cfg, model, eval_steps: int) -> list[dict]:
+    """The same eval_steps batches for every evaluation, so curves compare like with like."""
+    if cfg is None or eval_steps <= 0:
+        return []
+    it = batches(cfg, model.FEATURE_CONVERTER_CLS, cfg.seed, repeat=True)
+    return [next(it) for _ in range(eval_steps)]

@@ -259,7 +259,7 @@ def _loop(run: _Run, state: TrainState, start_step: int) -> tuple[int, TrainStat
         run.saver.lineage = run.lineage
     train_iter = _batches(run, start_step)
     data_sharding = run.trainer.partitioner.data_sharding()
-    run.eval_batches = [global_batch(b, data_sharding) for b in _eval_batches(
+    run.eval_batches = [global_batch(b, data_sharding) for b in inputs.eval_batches(
         run.args["train_eval_dataset_cfg"], run.args["model"], run.args["eval_steps"])]
     step, stop = start_step, False
     if run.args["run_eval_before_training"]:
@@ -395,10 +395,3 @@ def _train_eval(run: _Run, state: TrainState, step: int) -> dict[str, dict]:
     task = run.args["train_eval_dataset_cfg"].mixture_or_task_name
     return {task: eval_m}
 
-
-def _eval_batches(cfg: DatasetConfig | None, model: Any, eval_steps: int) -> list[dict]:
-    """The same eval_steps batches for every evaluation, so curves compare like with like."""
-    if cfg is None or eval_steps <= 0:
-        return []
-    it = inputs.batches(cfg, model.FEATURE_CONVERTER_CLS, cfg.seed, repeat=True)
-    return [next(it) for _ in range(eval_steps)]

@@ -29,7 +29,7 @@ from capibara_exp.data.e2b.records import utf8_text
 
 RUNNERS = Path(__file__).parent / "runners"
 _RUNNER_FILES = {"python": "python_cells.py", "sql": "sql_cells.py", "javascript": "js_cells.js"}
-_NO_SOCKETS = (
+NO_SOCKETS = (
     "import socket\n"
     "def _refuse(*a, **k):\n    raise OSError('network access is disabled in this sandbox')\n"
     "for _name in ('connect', 'connect_ex', 'sendto', 'sendmsg'):\n"
@@ -81,7 +81,7 @@ def _command(language: str, workdir: Path) -> list[str]:
     else:
         cmd = [sys.executable, "-s", runner]
         if network_isolation() != NAMESPACE:
-            (workdir / "sitecustomize.py").write_text(_NO_SOCKETS)
+            (workdir / "sitecustomize.py").write_text(NO_SOCKETS)
     return (["unshare", "-rn"] if network_isolation() == NAMESPACE else []) + cmd
 
 
@@ -97,7 +97,7 @@ def _limit(limits: Limits, cpu_s: int, language: str):
     return apply
 
 
-def _env(workdir: Path) -> dict[str, str]:
+def program_env(workdir: Path) -> dict[str, str]:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(workdir),
@@ -124,7 +124,7 @@ def _run_runner(language: str, request: dict, limits: Limits, batch_s: float):
         proc = subprocess.Popen(
             _command(language, workdir),
             cwd=workdir,
-            env=_env(workdir),
+            env=program_env(workdir),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
