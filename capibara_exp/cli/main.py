@@ -78,6 +78,14 @@ def _writes_here(comp, line) -> bool:
     return not (line.multirun or line.shows_config or comp.cfg.engine.name == "tpu_vm")
 
 
+def _locks(comp) -> bool:
+    """Whether this process takes the run dir's lock: the processes of one multi-process run
+    share their run dir, so only its process 0 does (none where the index is known only
+    after jax.distributed starts, distributed.mode=auto)."""
+    dist = comp.cfg.distributed
+    return dist.mode == "single" or (dist.mode == "explicit" and not dist.process_id)
+
+
 def check_paths(comp, line) -> None:
     """The run dir is a directory this process can write (or make); the data dir one it
     can read (or make)."""
@@ -91,12 +99,13 @@ def check_paths(comp, line) -> None:
     with user_errors(PROG, prefix="configuration error: "):
         guards.writable_dir("model_dir", run_dir)
         guards.dir_or_creatable("data_dir", comp.cfg.data_dir)  # built data may be read-only
-        run_lock.refuse_if_held(run_dir)  # taken later, just before the run starts
+        if _locks(comp):
+            run_lock.refuse_if_held(run_dir)  # taken later, just before the run starts
 
 
 def hold_run_dir(comp, line) -> None:
     """The run dir, locked for this process, before Hydra writes its first file there."""
-    if not _writes_here(comp, line):
+    if not (_writes_here(comp, line) and _locks(comp)):
         return
     from capibara_exp import run_lock
     from capibara_exp.cli.common import user_errors
