@@ -104,14 +104,27 @@ def _alive(holder: dict) -> bool:
     if holder.get("host") != _host():
         return True
     pid = holder["pid"]
+    if not pid_alive(pid):
+        return False
+    started = holder.get("start")
+    return started is None or _start_time(pid) in (None, started)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs: a killed process that its parent has not
+    reaped yet is a zombie, and dead."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    started = holder.get("start")
-    return started is None or _start_time(pid) in (None, started)
+    try:  # Linux: the state after the command's closing parenthesis; Z is a zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _start_time(pid: int) -> int | None:

@@ -30,7 +30,7 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
+from capibara_exp import optuna_study, run_lock
 from capibara_exp.sweeping.results import NOT_RUN, RETRIED
 from capibara_exp.sweeping.retry import Outage
 
@@ -80,28 +80,11 @@ def fail_and_retry(opened: optuna_study.OpenStudy, trial: optuna.trial.FrozenTri
     return True
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs: a killed worker that its parent (the sweep
-    that started it) has not reaped yet is a zombie, and dead."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # Linux: the state after the command's closing parenthesis; Z is a zombie
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def orphaned(trial: optuna.trial.FrozenTrial) -> bool:
     """Whether a RUNNING trial belongs to a process of this host that no longer exists."""
     attrs = trial.user_attrs
     return (attrs.get("host") == socket.gethostname() and "pid" in attrs
-            and not _alive(int(attrs["pid"])))
+            and not run_lock.pid_alive(int(attrs["pid"])))
 
 
 def fail_orphans(opened: optuna_study.OpenStudy, max_retries: int = 0) -> list[int]:
