@@ -100,7 +100,9 @@ def _handle(err: BaseException) -> None:
     _internal(prog, err)
 
 
-_FULL_DISK = re.compile(r"RESOURCE_EXHAUSTED: Error writing .*? at local file \"([^\"]+)\"")
+# Both of tensorstore's forms: "... writing "<key>" in OCDBT database at local file "<path>""
+# and "... writing local file "<path>"" (a checkpoint's metadata files)
+_FULL_DISK = re.compile(r"RESOURCE_EXHAUSTED: Error writing (?:.*? at )?local file \"([^\"]+)\"")
 
 
 def job(task: Callable) -> Callable:
