@@ -103,7 +103,6 @@ def hf_greedy(hf_dir: Path, prompt: list[int], new_tokens: int, eos: int) -> lis
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "gemma2", "qwen3_moe"])
 def test_greedy_decoding_equals_transformers_generate(family: str, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
     from capibara_exp.convert import hf_import
     from capibara_exp.generation import loading
     from tests import hf_reference

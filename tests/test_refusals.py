@@ -100,6 +100,22 @@ def _run(main, args: list[str], capsys) -> tuple[int, list[str]]:
     return stopped.value.code, [line for line in err.splitlines() if line.strip()]
 
 
+def _refuses_in_one_line(main, args: list[str], message: str, tmp_path: Path, monkeypatch,
+                         capsys, job=None, extra=()) -> None:
+    """Run a console script's main in a fresh sandbox (its job, if named, replaced) on args
+    and then `extra`: exit 2, one line holding `message`, the sandbox unchanged."""
+    paths = _sandbox(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = [*_fill(args, paths, tmp_path), *extra]
+    if job is not None:
+        _no_job(monkeypatch, job, args)
+    before = snapshot(tmp_path)
+    code, lines = _run(main, args, capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert message.format(root=tmp_path, **paths) in lines[0], lines[0]
+    assert snapshot(tmp_path) == before
+
+
 def _no_job(monkeypatch, module, args) -> None:
     def job_started() -> None:
         raise AssertionError(f"{args}: passed the checks and reached Hydra's job")
@@ -111,17 +127,9 @@ def _no_job(monkeypatch, module, args) -> None:
                          ids=[" ".join(a)[:50] for a, _ in MAIN_CASES])
 def test_capibara_exp_refuses_in_one_line_and_writes_nothing(args, message, tmp_path: Path,
                                                              monkeypatch, capsys) -> None:
-    paths = _sandbox(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    args = _fill(args, paths, tmp_path)
-    if not any(a.startswith("model_dir=") for a in args) and "-m" not in args:
-        args.append(f"model_dir={tmp_path}/model")
-    _no_job(monkeypatch, cli, args)
-    before = snapshot(tmp_path)
-    code, lines = _run(cli.main, args, capsys)
-    assert code == 2 and len(lines) == 1, lines
-    assert message.format(root=tmp_path, **paths) in lines[0], lines[0]
-    assert snapshot(tmp_path) == before
+    own_dir = any(a.startswith("model_dir=") for a in args) or "-m" in args
+    _refuses_in_one_line(cli.main, args, message, tmp_path, monkeypatch, capsys, job=cli,
+                         extra=() if own_dir else (f"model_dir={tmp_path}/model",))
 
 
 MERGE_CASES = [
@@ -142,15 +150,8 @@ MERGE_CASES = [
                          ids=[" ".join(a)[:50] for a, _ in MERGE_CASES])
 def test_merge_refuses_before_writing(args, message, tmp_path: Path, monkeypatch,
                                       capsys) -> None:
-    paths = _sandbox(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    args = _fill(args, paths, tmp_path)
-    _no_job(monkeypatch, merge_cli, args)
-    before = snapshot(tmp_path)
-    code, lines = _run(merge_cli.main, args, capsys)
-    assert code == 2 and len(lines) == 1, lines
-    assert message.format(root=tmp_path, **paths) in lines[0], lines[0]
-    assert snapshot(tmp_path) == before
+    _refuses_in_one_line(merge_cli.main, args, message, tmp_path, monkeypatch, capsys,
+                         job=merge_cli)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -161,15 +162,9 @@ def test_merge_refuses_before_writing(args, message, tmp_path: Path, monkeypatch
 ])
 def test_data_refuses_before_making_data_dir(args, message, tmp_path: Path, monkeypatch,
                                              capsys) -> None:
-    paths = _sandbox(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    args = _fill(args, paths, tmp_path)
-    _no_job(monkeypatch, data_cli, args)
-    before = snapshot(tmp_path)
-    code, lines = _run(data_cli.main, args, capsys)
-    assert code == 2 and len(lines) == 1, lines
-    assert message.format(root=tmp_path, **paths) in lines[0], lines[0]
-    assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()
+    _refuses_in_one_line(data_cli.main, args, message, tmp_path, monkeypatch, capsys,
+                         job=data_cli)
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -182,14 +177,7 @@ def test_data_refuses_before_making_data_dir(args, message, tmp_path: Path, monk
     ([], "the following arguments are required: run_dir"),
 ])
 def test_plot_refuses_in_one_line(args, message, tmp_path: Path, monkeypatch, capsys) -> None:
-    paths = _sandbox(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    args = _fill(args, paths, tmp_path)
-    before = snapshot(tmp_path)
-    code, lines = _run(plot_cli.main, args, capsys)
-    assert code == 2 and len(lines) == 1, lines
-    assert message.format(root=tmp_path, **paths) in lines[0], lines[0]
-    assert snapshot(tmp_path) == before
+    _refuses_in_one_line(plot_cli.main, args, message, tmp_path, monkeypatch, capsys)
 
 
 def test_plot_writes_beside_not_inside_the_run_and_keeps_an_existing_png(
