@@ -16,6 +16,7 @@ import pytest
 from capibara_exp.cli import checks, flags
 from capibara_exp.cli.common import register_resolvers
 from tests.conftest import compose_config
+from tests.console_lines import error_lines
 
 HEAVY = ("jax", "tensorflow", "seqio", "flax")
 # What a quiet run must not print (TensorFlow's and absl's start-up lines, CUDA lookups,
@@ -32,17 +33,6 @@ def capibara(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
 
 def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
-
-
-# Progress a command prints before a mistake is found: its first line (once the command line
-# composes) and phase lines (a slow import while the rendered config.gin is checked).
-PROGRESS = re.compile(r"^capibara-exp: (starting \(engine=\w+\)( \(a sweep\))? \.\.\.|"
-                      r"importing [^:]* \.\.\.( \d+ s)?|importing [^:]*: \d+\.\d s)$")
-
-
-def error_lines(text: str) -> list[str]:
-    """The lines of stderr that are not progress."""
-    return [line for line in lines(text) if not PROGRESS.match(line)]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"],
@@ -267,6 +257,10 @@ def test_a_run_is_one_quiet_dir_that_resumes_there(tmp_path: Path, data_dir: Pat
     assert list((run / "train").glob("events.*")) and list((run / "train_eval").glob("events.*"))
     assert not (tmp_path / "outputs").exists()
     assert lines(out.stderr)[0] == "capibara-exp: starting (engine=local) ..."
+    # every console line says whose it is, the step lines too (stats_period=1: one a step)
+    assert "capibara-exp: step 3/4  loss " in out.stderr
+    assert all(ln.startswith("capibara-exp: ") for ln in lines(out.stderr + out.stdout)), \
+        out.stderr
     # The run log holds the Python log: the libraries' INFO records (orbax's, through absl),
     # which the quiet console leaves out, and capibara-exp's own lines.
     log = (run / "capibara-exp.log").read_text()

@@ -291,5 +291,5 @@ def test_the_progress_line_shows_the_data_wait_share() -> None:
 
     out = io.StringIO()
     Progress(100, out).update(40, 2.5, 5800.0, 0.25, data_wait_share=0.031)
-    assert out.getvalue() == ("step 40/100  loss 2.5000  5.8k tok/s  250 ms/step  "
+    assert out.getvalue() == ("capibara-exp: step 40/100  loss 2.5000  5.8k tok/s  250 ms/step  "
                               "data wait 3.1%  ETA 0:00:15\n")

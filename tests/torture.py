@@ -271,7 +271,7 @@ def sigterm_trial(root: Path, reference: Path, rng: random.Random, tally: Tally,
     log = (run / "worker.log").read_text()
     said = re.search(r"preempted by (\w+) after step (\d+)", log)
     step = int(said.group(2)) if said else -1
-    reported = [int(m) for m in re.findall(r"^step (\d+)/", log, re.M)]
+    reported = [int(m) for m in re.findall(r"^capibara-exp: step (\d+)/", log, re.M)]
     ok = (proc.returncode == PREEMPTED_EXIT_CODE and step in checkpoints.steps(run)
           and all(s <= step for s in reported) and same_step(run, reference, step))
     _, result = train_here(gin)

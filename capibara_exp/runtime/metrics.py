@@ -174,7 +174,9 @@ PREFIX = "capibara-exp: "
 
 
 class Progress:
-    """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal."""
+    """A one-line status: step, loss, tokens/s and ETA; redrawn in place on a terminal. Every
+    line starts with capibara-exp's prefix, the step lines too (a console's lines, and the
+    run log's, all say whose they are)."""
 
     def __init__(self, total_steps: int, stream: TextIO | None = None):
         self.total_steps = total_steps
@@ -185,7 +187,7 @@ class Progress:
     def update(self, step: int, loss: float, tokens_per_s: float, step_s: float,
                data_wait_share: float | None = None) -> None:
         eta = max(self.total_steps - step, 0) * step_s
-        line = (f"step {step}/{self.total_steps}  loss {loss:.4f}  "
+        line = (f"{PREFIX}step {step}/{self.total_steps}  loss {loss:.4f}  "
                 f"{tokens_per_s / 1e3:.1f}k tok/s  {step_s * 1e3:.0f} ms/step")
         if data_wait_share is not None:
             line += f"  data wait {data_wait_share:.1%}"
