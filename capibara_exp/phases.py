@@ -4,6 +4,9 @@ compiles, restoring a checkpoint), so a long wait is never silent.
 A phase says nothing if it ends within SHOW_AFTER_S; past that it prints what it is doing,
 then the elapsed time (rewritten in place every second on a terminal, a new line every
 NOTE_EVERY_S otherwise), and how long it took when it ends.
+
+`starting(prog)` is a console script's first line, printed once its command line checks and
+before anything heavy is imported; the phase lines after it carry the same program name.
 """
 
 from __future__ import annotations
@@ -20,6 +23,22 @@ from capibara_exp.environment import copy_to_run_log
 SHOW_AFTER_S = 3.0
 NOTE_EVERY_S = 15.0
 PROG = "capibara-exp"
+
+
+def starting(prog: str, detail: str = "") -> None:
+    """`PROG: starting DETAIL ...`, on stderr at once; later phase lines name `prog` too."""
+    global PROG
+    PROG = prog
+    line = f"{prog}: starting{detail} ..."
+    print(line, file=sys.stderr, flush=True)
+    copy_to_run_log(line)
+
+
+@contextlib.contextmanager
+def importing(what: str = "TensorFlow, JAX and SeqIO") -> Iterator[None]:
+    """The import of heavy libraries, as a phase (seconds on a loaded machine)."""
+    with phase(f"importing {what}"):
+        yield
 
 
 class _Ticker:

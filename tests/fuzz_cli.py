@@ -31,6 +31,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from capibara_exp import config_schema
+from tests.console_lines import error_lines
 from tests.snapshots import snapshot
 
 SAFE_CODES = {0, 1, 2, 75}
@@ -232,7 +233,7 @@ def run_case(script: str, argv: list[str]) -> tuple[int, str, str]:
 
 
 def _problem(code: int, text: str, before: dict, after: dict) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = error_lines(text)  # a started command's progress lines are not its answer
     if code not in SAFE_CODES:
         return f"exit status {code}"
     if "Traceback (most recent call last)" in text:

@@ -17,6 +17,7 @@ from capibara_exp.cli import data as data_cli
 from capibara_exp.cli import main as cli
 from capibara_exp.cli import merge as merge_cli
 from capibara_exp.cli import plot as plot_cli
+from tests.console_lines import error_lines
 from tests.snapshots import snapshot
 
 LONG = "x" * 300
@@ -97,7 +98,7 @@ def _run(main, args: list[str], capsys) -> tuple[int, list[str]]:
     with pytest.raises(SystemExit) as stopped:
         main(args)
     err = capsys.readouterr().err
-    return stopped.value.code, [line for line in err.splitlines() if line.strip()]
+    return stopped.value.code, error_lines(err)  # a started command's progress left out
 
 
 def _refuses_in_one_line(main, args: list[str], message: str, tmp_path: Path, monkeypatch,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-from capibara_exp import environment
+from capibara_exp import environment, phases
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import fail, user_errors
 from capibara_exp.cli.shell import console
@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     typed = _typed(keys)
     with user_errors(PROG):
         check_paths(command, keys)
+    phases.starting(PROG)
     environment.prepare()  # quiet native logs and the platform choice, before JAX loads
-    environment.import_tensorflow()  # (seqio, via the data package) without its notices
+    with phases.importing("TensorFlow"):
+        environment.import_tensorflow()  # (seqio, via the data package) without its notices
     with user_errors(PROG):
         summary = run(command, typed)
     print(json.dumps(summary, indent=2))

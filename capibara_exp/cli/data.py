@@ -28,13 +28,16 @@ PROG = "capibara-exp-data"
 @hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
 @job
 def _app(cfg: DictConfig) -> None:
-    from capibara_exp.data.e2b import build
+    from capibara_exp import phases
+
+    with phases.importing("the data build (the E2B SDK)"):
+        from capibara_exp.data.e2b import build
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     data_dir, force = settings.pop("data_dir"), settings.pop("force")
     settings.pop("hydra", None)
     # BuildError, NoExamplesError, bad settings (ConfigErrors): named in the message
-    with user_errors(PROG):
+    with user_errors(PROG), phases.phase(f"building the data under {data_dir}"):
         manifest = build.ensure_built(data_dir, build.build_config(settings), force=force)
     print(json.dumps(build.summary(manifest, data_dir), indent=2, ensure_ascii=False))
 
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     if comp is not None and not line.shows_config:
         with user_errors(PROG, prefix="configuration error: "):
             check_paths(comp.cfg)
+        from capibara_exp import phases
+
+        phases.starting(PROG)  # before the build's imports (TensorFlow, SeqIO)
     sys.argv = [sys.argv[0], *hydra_argv]
     _app()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from capibara_exp import environment
+from capibara_exp import environment, phases
 from capibara_exp.cli.common import fail, user_errors
 from capibara_exp.cli.shell import console
 from capibara_exp.errors import Preempted
@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__.strip())
         return
     keys = parse(argv)
+    phases.starting(PROG)
     environment.prepare()
-    environment.import_tensorflow()
-    from capibara_exp.generation import command
+    with phases.importing():
+        environment.import_tensorflow()
+        from capibara_exp.generation import command
 
     with user_errors(PROG, ValueError):
         job = command.prepare(keys)

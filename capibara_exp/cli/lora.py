@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from capibara_exp import environment
+from capibara_exp import environment, phases
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import fail, user_errors
 from capibara_exp.cli.shell import console
@@ -56,11 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors(PROG):
         run_dir = guards.existing_input("run_dir", keys["run_dir"])
         guards.new_output("out", keys["out"], {"run_dir": run_dir})
+    phases.starting(PROG)
     environment.prepare()  # quiet native logs and the platform choice, before JAX loads
-    environment.import_tensorflow()  # (gin's config imports seqio) without its start-up notices
+    with phases.importing():
+        environment.import_tensorflow()  # (gin's config imports seqio) without its notices
+        with user_errors(PROG):
+            from capibara_exp.runtime.lora import export
     with user_errors(PROG):
-        from capibara_exp.runtime.lora import export
-
         path = export.export_run(keys["run_dir"], keys["out"], None if step is None else int(step))
     print(path)
 

@@ -8,7 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from capibara_exp import environment
+from capibara_exp import environment, phases
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import checked_argv, user_errors
 from capibara_exp.cli.shell import console, job
@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         with user_errors(PROG, prefix="configuration error: "):
             check_paths(comp.cfg)
     if comp is not None:  # a merge, not --help: TensorFlow (seqio's) without its notices
-        environment.import_tensorflow()
+        if not line.shows_config:
+            phases.starting(PROG)
+        with phases.importing("TensorFlow"):
+            environment.import_tensorflow()
     sys.argv = [sys.argv[0], *hydra_argv]
     if comp is None or line.shows_config:
         _app()

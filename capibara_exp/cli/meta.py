@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     with user_errors(PROG, prefix="configuration error: "):
         guards.writable_dir("out", comp.cfg.out)
-    from capibara_exp import experiment, meta_consensus
+    from capibara_exp import phases
+
+    phases.starting(PROG)
+    with phases.importing():
+        from capibara_exp import experiment, meta_consensus
     from capibara_exp.consensus.gate import ConsensusError
 
     def train(cfg: DictConfig, run_dir, choices: dict) -> None:

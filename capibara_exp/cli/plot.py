@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> None:
                        "name a file elsewhere")
         if out.exists() and not args.overwrite:
             fail(PROG, f"--out {out}: exists; --overwrite replaces it")
-    from capibara_exp import plots
+    from capibara_exp import phases
+
+    phases.starting(PROG)
+    with phases.importing("matplotlib"):
+        from capibara_exp import plots
 
     with user_errors(PROG):
         print(plots.render(run_dir, out))

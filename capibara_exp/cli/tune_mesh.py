@@ -9,7 +9,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp import environment
+from capibara_exp import environment, phases
 from capibara_exp.cli.common import checked_argv, fail, user_errors
 from capibara_exp.cli.shell import console, job
 from capibara_exp.paths import CONF_DIR
@@ -43,9 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.
     if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in argv):
         argv.append(f"+{SETTINGS}=default")
-    _, comp, hydra_argv = checked_argv(PROG, "config", argv)
+    line, comp, hydra_argv = checked_argv(PROG, "config", argv)
     if comp is not None:  # a run, not --help: TensorFlow (seqio's) without its notices
-        environment.import_tensorflow(bool(comp.cfg.get("verbose")))
+        if not line.shows_config:
+            phases.starting(PROG)
+        with phases.importing("TensorFlow"):
+            environment.import_tensorflow(bool(comp.cfg.get("verbose")))
     if comp is not None and comp.cfg.topology != "cpu":
         from capibara_exp.tuning import topology
 

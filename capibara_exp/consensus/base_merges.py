@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from capibara_exp.consensus import interpolate, methods, task_vectors
+# interpolate, methods and task_vectors (JAX) are imported where a merge runs: the registry
+# imports this module to check a command line's merge settings, before anything heavy loads.
 
 TARGET = ("target",)
 # name -> (sparsification, sign consensus, default of `normalize`), as mergekit defines them
@@ -33,6 +34,8 @@ TASK_VECTOR_METHODS: dict[str, tuple[str | None, bool, bool]] = {
 def solve_pool(s: Any) -> dict:
     """The accepted candidates' names and weights (given ones by name, else 1 each), and
     each parameter's layer position (SLERP's per-layer factors)."""
+    from capibara_exp.consensus import interpolate
+
     names = [c.name for c in s.gate.accepted]
     weights = np.ones(len(names))
     if s.spec.weights is not None:
@@ -52,6 +55,8 @@ def effective_normalize(spec: Any) -> bool:
 
 
 def _sparsify(spec: Any, tv: np.ndarray, name: str, path: tuple) -> np.ndarray:
+    from capibara_exp.consensus import task_vectors
+
     kind = TASK_VECTOR_METHODS[spec.method][0]
     if kind == "breadcrumbs":
         return task_vectors.breadcrumbs(tv, spec.density, spec.gamma)
@@ -63,6 +68,8 @@ def _sparsify(spec: Any, tv: np.ndarray, name: str, path: tuple) -> np.ndarray:
 
 def _task_vector_leaf(spec: Any, solved: dict, base32: np.ndarray, leaves: list,
                       path: tuple) -> np.ndarray:
+    from capibara_exp.consensus import task_vectors
+
     tvs = [_sparsify(spec, np.asarray(x, np.float32) - base32, name, path)
            for x, name in zip(leaves, solved["names"], strict=True)]
     mixed = task_vectors.combine(tvs, solved["tv_weights"], TASK_VECTOR_METHODS[spec.method][1],
@@ -72,6 +79,8 @@ def _task_vector_leaf(spec: Any, solved: dict, base32: np.ndarray, leaves: list,
 
 def with_base(spec: Any, solved: dict, base: tuple) -> Callable:
     """Task arithmetic, TIES, the sparsified task-vector methods and Model Stock."""
+    from capibara_exp.consensus import interpolate, methods
+
     reader, candidate, index = base
 
     def leaf(path, leaves):
@@ -95,6 +104,8 @@ def with_base(spec: Any, solved: dict, base: tuple) -> Callable:
 
 def slerp_leaf(spec: Any, solved: dict, base: tuple | None) -> Callable:
     """SLERP of the two accepted candidates, the first at t = 0."""
+    from capibara_exp.consensus import interpolate, methods
+
     def leaf(path, leaves):
         a, b = (np.asarray(x) for x in leaves)
         if path[:1] != TARGET or not np.issubdtype(a.dtype, np.floating):
