@@ -295,7 +295,7 @@ def test_a_merge_of_different_models_is_refused_not_a_merge_of_one(tmp_path: Pat
          f"out={tmp_path}/merged", "method=median", "gate.max_val_loss_ratio=null",
          "gate.max_distance_ratio=null", "gate.require_shared_ancestor=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    lines = error_lines(out.stderr)  # after the merge's first line (it had started)
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert "the candidates hold different models" in lines[0]
     assert "target.dense.kernel is (3, 2) float32, others have (2, 2)" in lines[0]

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,11 @@ def test_t5x_run_dir_reads_as_the_local_engines(runs: dict[str, Path]) -> None:
 def test_t5x_output_is_quiet_with_progress(runs: dict[str, Path]) -> None:
     stderr = runs["stderr"]
     assert "step 4/4  loss " in stderr and "capibara-exp: done; run dir" in stderr
+    # the local engine's line, prefix and data wait (timed around T5X's train iterator)
+    steps = [ln for ln in stderr.splitlines() if ln.startswith("capibara-exp: step 4/4  loss ")]
+    assert steps and re.search(r"ms/step  data wait \d+\.\d%  ETA", steps[-1]), stderr
+    assert all(ln.startswith("capibara-exp: ") for ln in stderr.splitlines() if ln.strip()), \
+        stderr
     for noise in ("absl::InitializeLog", "oneDNN", "cuInit", "FunctionDataset", "I0000 "):
         assert noise not in stderr, noise
 

@@ -15,11 +15,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from capibara_exp.errors import ConfigError, RunError
+from capibara_exp.launch import t5x_data
 
 CONFIG_GIN = "config.gin"
 OPERATIVE_CONFIG = "operative_config.gin"
@@ -48,7 +50,10 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
         env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache_dir),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    watcher = _Progress(run_dir, total_steps)
+    waits = tempfile.NamedTemporaryFile(prefix="capibara-data-wait-", delete=False)  # noqa: SIM115
+    waits.close()
+    env[t5x_data.WAIT_FILE_ENV] = waits.name  # the child's time in next() (launch/t5x_data.py)
+    watcher = _Progress(run_dir, total_steps, waits.name)
     _say(f"T5X trains {gin_path} to step {total_steps} (t5x.train in a child process; its "
          f"Python log goes to {run_dir / RUN_LOG})")
     try:
@@ -56,7 +61,8 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
     finally:
         watcher.stop()
         keep_rendered_config(gin_path, rendered, run_dir)
-        write_metrics(run_dir)
+        write_metrics(run_dir, t5x_data.read_waits(waits.name))
+        os.unlink(waits.name)
         write_inference_metrics(run_dir)
         move_train_eval_events(run_dir)
     if result.returncode:
@@ -125,8 +131,9 @@ def _scalar(value: Any) -> float | None:
 
 
 # Train-record keys only the local engine measures: T5X's summaries have no gradient norm,
-# no data wait, no FLOPs and no memory figures (memory/* keys, where the backend has them).
-LOCAL_ONLY = ("grad_norm", "data_wait_share", "mfu", "mfu_peak_flops")
+# no FLOPs and no memory figures (memory/* keys, where the backend has them). The data wait
+# is measured around T5X's train iterator (launch/t5x_data.py).
+LOCAL_ONLY = ("grad_norm", "mfu", "mfu_peak_flops")
 
 
 def local_metrics(t5x: dict[str, float], split: str = "train") -> dict[str, float]:
@@ -162,9 +169,10 @@ def local_metrics(t5x: dict[str, float], split: str = "train") -> dict[str, floa
     return out
 
 
-def write_metrics(run_dir: Path) -> None:
+def write_metrics(run_dir: Path, waits: list[tuple[float, float]] = ()) -> None:
     """Append T5X's new train and train-eval summaries to metrics.jsonl (steps it has not
-    recorded yet), in the local engine's format."""
+    recorded yet), in the local engine's format; a train record's data wait share from
+    `waits` (launch/t5x_data.py) over its summary window, where they cover it."""
     path = run_dir / METRICS
     done = _recorded_steps(run_dir)
     sources = {"train": [run_dir / "train"],
@@ -176,6 +184,9 @@ def write_metrics(run_dir: Path) -> None:
                 if "timing/init_or_restore_seconds" in scalars:
                     starts.add(step)  # an invocation started (or resumed) here
                 metrics = local_metrics(scalars, split)
+                share = t5x_data.wait_share(list(waits), wall, scalars.get("timing/seconds", 0.0))
+                if split == "train" and share is not None:
+                    metrics["data_wait_share"] = share
                 if "loss" in metrics and step > done.get(split, -1):
                     records.append({"step": step, "split": split, "time": wall, **metrics})
     # The local engine reports no train record for the first step of an invocation (its
@@ -249,8 +260,8 @@ class _Progress:
 
     PERIOD_S = 5.0
 
-    def __init__(self, run_dir: Path, total_steps: int):
-        self.run_dir, self.total_steps = run_dir, total_steps
+    def __init__(self, run_dir: Path, total_steps: int, waits: str | None = None):
+        self.run_dir, self.total_steps, self.waits = run_dir, total_steps, waits
         self.shown = _recorded_steps(run_dir).get("train", -1)  # shown by an earlier run
         from capibara_exp.runtime.metrics import Progress
 
@@ -269,13 +280,15 @@ class _Progress:
             events = _events(directory) if directory.is_dir() else []
         except Exception:  # a file T5X is writing: read it next time
             return
-        for step, _, scalars in events:
+        waits = t5x_data.read_waits(self.waits) if self.waits else []
+        for step, wall, scalars in events:
             m = local_metrics(scalars)
             if step > self.shown and "loss" in m:
-                # The local engine's line, from T5X's own timing summaries (T5X measures no
-                # data wait: that field is left out).
+                # The local engine's line, from T5X's own timing summaries; the data wait
+                # from the timed train iterator (launch/t5x_data.py) over the same window.
+                share = t5x_data.wait_share(waits, wall, scalars.get("timing/seconds", 0.0))
                 self.line.update(step, m["loss"], m.get("tokens_per_s", 0.0),
-                                 m.get("step_time_s", 0.0))
+                                 m.get("step_time_s", 0.0), share)
                 self.shown = step
 
     def stop(self) -> None:

@@ -36,10 +36,27 @@ def main() -> None:
         # absl's level for T5X's own logging: fatal only (T5X logs each step at INFO and
         # seqio warns about uncached tasks); capibara-exp shows the progress instead.
         sys.argv.append("--verbosity=-3")
+    _time_the_train_data()
     phases.show_compiles()
     logging.getLogger().addHandler(_T5XPhases())
     sys.argv[0] = "t5x.train"
     runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
+
+
+def _time_the_train_data() -> None:
+    """Bind T5X's get_dataset_fn to the timed one (launch/t5x_data.py), unless the gin files
+    or flags bind it themselves (theirs is kept, and the progress lines show no data wait)."""
+    from capibara_exp.launch import t5x_data
+
+    if not os.environ.get(t5x_data.WAIT_FILE_ENV):
+        return
+    given = [a for a in sys.argv[1:] if a.startswith(("--gin_bindings", "--gin."))]
+    for arg in sys.argv[1:]:
+        if arg.startswith("--gin_file="):
+            with contextlib.suppress(OSError):
+                given.append(open(arg.split("=", 1)[1]).read())  # noqa: SIM115
+    if not any("get_dataset_fn" in text for text in given):
+        sys.argv += [f"--gin_bindings={line}" for line in t5x_data.BINDINGS]
 
 
 # What T5X's train.py logs as it enters a phase that can last, and the phase line for it
