@@ -6,6 +6,8 @@ the library removes or changes it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -38,6 +40,15 @@ USES = (
         "(launch/peers.py), and says which process it lost, with exit 75, before the "
         "service's heartbeat timeout aborts them all naming nobody; a collective that "
         "includes a dead process only hangs. JAX's public API has no such store."),
+    PrivateUse(
+        "omegaconf._utils", "get_yaml_loader",
+        "the YAML loader OmegaConf.load builds for every config file Hydra reads: PyYAML's "
+        "pure-Python SafeLoader with OmegaConf's float resolver and duplicate-key check. "
+        "Reading the files is a third of a composition, which every command (--help, --cfg "
+        "job, a mistake) pays; OmegaConf offers no public way to choose libyaml's parser. "
+        "capibara-exp's own compositions (cli/compose.py) read them with the same loader on "
+        "libyaml's parser (see libyaml_for_omegaconf); Hydra's job composes as it always "
+        "does."),
     PrivateUse(
         "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write",
         "writing one array of a checkpoint whose arrays are made on demand (a converted "
@@ -81,3 +92,38 @@ def streaming_numpy_handler(in_flight: int):
                 await super()._open_and_write(value.load(), tspec, ts_context)
 
     return StreamingHandler()
+
+
+@contextlib.contextmanager
+def libyaml_for_omegaconf() -> Iterator[None]:
+    """While the block runs, OmegaConf.load parses with libyaml (where PyYAML has it): the
+    same resolvers and the same duplicate-key error, several times faster (see USES)."""
+    import yaml
+    from omegaconf import _utils
+
+    if not getattr(yaml, "__with_libyaml__", False):
+        yield
+        return
+    pure = _utils.get_yaml_loader()
+
+    class Loader(yaml.CSafeLoader):
+        yaml_implicit_resolvers = pure.yaml_implicit_resolvers  # OmegaConf's floats, no dates
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()  # OmegaConf refuses a key given twice in one mapping
+            for key_node, _ in node.value:
+                if key_node.tag != yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG:
+                    continue
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key_node.value}", key_node.start_mark)
+                seen.add(key_node.value)
+            return super().construct_mapping(node, deep=deep)
+
+    saved = _utils.get_yaml_loader
+    _utils.get_yaml_loader = lambda: Loader
+    try:
+        yield
+    finally:
+        _utils.get_yaml_loader = saved

@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from capibara_exp import environment
-from capibara_exp.cli import checks, flags
-from capibara_exp.config_check import Composition
+from capibara_exp.cli import flags
 from capibara_exp.errors import ConfigError
 from capibara_exp.resolvers import register_resolvers
+
+if TYPE_CHECKING:
+    from capibara_exp.config_check import Composition
 
 USER_ERROR = 2
 RUN_FAILED = 1
@@ -37,6 +40,8 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
         if line.informing:
             environment.prepare()
             return line, None, line.hydra_argv(extra)
+        from capibara_exp.cli import checks  # (gin and the bridge: not for --help)
+
         comp, overrides = checks.compose_checked(line, config_name, extra)
     environment.prepare(bool(comp.cfg.get("verbose")))
     return line, comp, [*line.flags, *overrides]

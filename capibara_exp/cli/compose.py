@@ -32,6 +32,7 @@ from capibara_exp.config_check import (
 )
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
+from capibara_exp.private_apis import libyaml_for_omegaconf
 
 
 def search_dirs(extra: list[Path]) -> list[Path]:
@@ -48,7 +49,7 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
             raise ConfigError(f"--config-dir {d}: no such directory")
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     given = _with_search_path(overrides, dirs[: len(extra_dirs)])
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
         loader = GlobalHydra.instance().config_loader()
         try:
             cfg = loader.load_configuration(config_name, given, mode, from_shell=True)
@@ -66,7 +67,7 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
     choices = dict(cfg.hydra.runtime.choices)
 
     def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
             loader = GlobalHydra.instance().config_loader()
             defaults = loader.compute_defaults_list(config_name, given, mode).defaults
         return _setters(config_name, choices, defaults, overrides, dirs)

@@ -38,13 +38,12 @@ def main(argv: list[str] | None = None) -> None:
                        "name a file elsewhere")
         if out.exists() and not args.overwrite:
             fail(PROG, f"--out {out}: exists; --overwrite replaces it")
-    from capibara_exp import phases
+        if not (run_dir / "metrics.jsonl").is_file():  # (plots.render says so too, later)
+            fail(PROG, f"no metrics.jsonl in {run_dir}")
+    from capibara_exp import phases, plots
 
-    phases.starting(PROG)
-    with phases.importing("matplotlib"):
-        from capibara_exp import plots
-
-    with user_errors(PROG):
+    phases.starting(PROG)  # before matplotlib loads (plots.render imports it)
+    with user_errors(PROG), phases.phase("drawing the curves (matplotlib)"):
         print(plots.render(run_dir, out))
 
 
