@@ -79,6 +79,8 @@ def config_paths(repeats: int, cwd: Path) -> bool:
         for name, args in CONFIG_COMMANDS.items():
             walls[name].append(_wall([*cli, *args], cwd))
     base = statistics.median(walls["baseline"])
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores after the config "
+          "commands (wall times grow with it)")
     print(f"python -c 'import hydra' (median of {repeats}): {base:5.2f} s")
     ok = True
     for name in CONFIG_COMMANDS:
