@@ -70,31 +70,41 @@ CONFIG_GOAL = 2.0
 
 def config_paths(repeats: int, cwd: Path) -> bool:
     """Wall time of each config command against `python -c "import hydra"`, measured
-    alternately in the same run (so load hits both alike); medians. True if within goal."""
+    alternately in the same run (so load hits both alike); medians. True if within goal.
+    CPU seconds (user + system) are printed beside: on a busy machine they are close to
+    what a quiet one's wall time would be."""
     base_cmd = [sys.executable, "-c", "import hydra"]
     cli = [sys.executable, "-m", "capibara_exp.cli"]
     walls: dict[str, list[float]] = {"baseline": [], **{k: [] for k in CONFIG_COMMANDS}}
+    cpus: dict[str, list[float]] = {k: [] for k in walls}
     for _ in range(repeats):
-        walls["baseline"].append(_wall(base_cmd, cwd))
-        for name, args in CONFIG_COMMANDS.items():
-            walls[name].append(_wall([*cli, *args], cwd))
-    base = statistics.median(walls["baseline"])
+        for name, cmd in (("baseline", base_cmd),
+                          *((k, [*cli, *a]) for k, a in CONFIG_COMMANDS.items())):
+            wall, cpu = _wall(cmd, cwd)
+            walls[name].append(wall)
+            cpus[name].append(cpu)
+    base, base_cpu = statistics.median(walls["baseline"]), statistics.median(cpus["baseline"])
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores after the config "
           "commands (wall times grow with it)")
-    print(f"python -c 'import hydra' (median of {repeats}): {base:5.2f} s")
+    print(f"python -c 'import hydra' (median of {repeats}): {base:5.2f} s "
+          f"({base_cpu:.2f} s CPU)")
     ok = True
     for name in CONFIG_COMMANDS:
-        wall = statistics.median(walls[name])
+        wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
         ok &= wall / base <= CONFIG_GOAL
         print(f"capibara-exp {name:<18} {wall:5.2f} s  {wall / base:4.1f}x the baseline "
-              f"(goal <= {CONFIG_GOAL:.0f}x)")
+              f"(goal <= {CONFIG_GOAL:.0f}x); CPU {cpu:.2f} s, {cpu / base_cpu:4.1f}x")
     return ok
 
 
-def _wall(cmd: list[str], cwd: Path) -> float:
+def _wall(cmd: list[str], cwd: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run of cmd."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)  # exit 2 for the mistake
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
 def main() -> None:
