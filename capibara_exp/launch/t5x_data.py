@@ -16,6 +16,7 @@ StepWindow does. Without that variable the data is returned unwrapped.
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from typing import Any
@@ -89,28 +90,41 @@ def _wrapper_class() -> type:
     return TimedIterator
 
 
-def read_waits(path: str) -> list[tuple[float, float]]:
-    """(wall time, seconds waited so far) of each get_next, in order."""
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 2 and line.endswith("\n"):  # a line being written: later
-                    out.append((float(parts[0]), float(parts[1])))
-    except OSError:
-        return []
-    return out
+class WaitLog:
+    """The (wall time, seconds waited so far) records of a wait file, read as they grow
+    (each call to `update` reads only the lines written since the last)."""
 
+    def __init__(self, path: str | None):
+        self.path, self.offset = path, 0
+        self.times: list[float] = []
+        self.waited: list[float] = []
 
-def wait_share(waits: list[tuple[float, float]], end: float, seconds: float) -> float | None:
-    """The share of the window of `seconds` ending at wall time `end` spent waiting; None
-    without records around it."""
-    if seconds <= 0 or not waits:
-        return None
+    def update(self) -> WaitLog:
+        if not self.path:
+            return self
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return self
+        done = chunk.rfind(b"\n") + 1  # a line being written is read next time
+        self.offset += done
+        for line in chunk[:done].decode().splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                self.times.append(float(parts[0]))
+                self.waited.append(float(parts[1]))
+        return self
 
-    def waited(at: float) -> float:
-        before = [w for t, w in waits if t <= at]
-        return before[-1] if before else 0.0
+    def _waited_at(self, at: float) -> float:
+        i = bisect.bisect_right(self.times, at)
+        return self.waited[i - 1] if i else 0.0
 
-    return min(max((waited(end) - waited(end - seconds)) / seconds, 0.0), 1.0)
+    def share(self, end: float, seconds: float) -> float | None:
+        """The share of the window of `seconds` ending at wall time `end` spent waiting;
+        None without records or window."""
+        if seconds <= 0 or not self.times:
+            return None
+        waited = self._waited_at(end) - self._waited_at(end - seconds)
+        return min(max(waited / seconds, 0.0), 1.0)

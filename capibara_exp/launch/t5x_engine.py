@@ -61,7 +61,7 @@ def run(cmd: list[str], gin_path: Path, run_dir: Path, total_steps: int, verbose
     finally:
         watcher.stop()
         keep_rendered_config(gin_path, rendered, run_dir)
-        write_metrics(run_dir, t5x_data.read_waits(waits.name))
+        write_metrics(run_dir, t5x_data.WaitLog(waits.name).update())
         os.unlink(waits.name)
         write_inference_metrics(run_dir)
         move_train_eval_events(run_dir)
@@ -169,7 +169,7 @@ def local_metrics(t5x: dict[str, float], split: str = "train") -> dict[str, floa
     return out
 
 
-def write_metrics(run_dir: Path, waits: list[tuple[float, float]] = ()) -> None:
+def write_metrics(run_dir: Path, waits: t5x_data.WaitLog | None = None) -> None:
     """Append T5X's new train and train-eval summaries to metrics.jsonl (steps it has not
     recorded yet), in the local engine's format; a train record's data wait share from
     `waits` (launch/t5x_data.py) over its summary window, where they cover it."""
@@ -184,7 +184,7 @@ def write_metrics(run_dir: Path, waits: list[tuple[float, float]] = ()) -> None:
                 if "timing/init_or_restore_seconds" in scalars:
                     starts.add(step)  # an invocation started (or resumed) here
                 metrics = local_metrics(scalars, split)
-                share = t5x_data.wait_share(list(waits), wall, scalars.get("timing/seconds", 0.0))
+                share = waits.share(wall, scalars.get("timing/seconds", 0.0)) if waits else None
                 if split == "train" and share is not None:
                     metrics["data_wait_share"] = share
                 if "loss" in metrics and step > done.get(split, -1):
@@ -261,7 +261,8 @@ class _Progress:
     PERIOD_S = 5.0
 
     def __init__(self, run_dir: Path, total_steps: int, waits: str | None = None):
-        self.run_dir, self.total_steps, self.waits = run_dir, total_steps, waits
+        self.run_dir, self.total_steps = run_dir, total_steps
+        self.waits = t5x_data.WaitLog(waits)
         self.shown = _recorded_steps(run_dir).get("train", -1)  # shown by an earlier run
         from capibara_exp.runtime.metrics import Progress
 
@@ -280,13 +281,13 @@ class _Progress:
             events = _events(directory) if directory.is_dir() else []
         except Exception:  # a file T5X is writing: read it next time
             return
-        waits = t5x_data.read_waits(self.waits) if self.waits else []
+        self.waits.update()
         for step, wall, scalars in events:
             m = local_metrics(scalars)
             if step > self.shown and "loss" in m:
                 # The local engine's line, from T5X's own timing summaries; the data wait
                 # from the timed train iterator (launch/t5x_data.py) over the same window.
-                share = t5x_data.wait_share(waits, wall, scalars.get("timing/seconds", 0.0))
+                share = self.waits.share(wall, scalars.get("timing/seconds", 0.0))
                 self.line.update(step, m["loss"], m.get("tokens_per_s", 0.0),
                                  m.get("step_time_s", 0.0), share)
                 self.shown = step
