@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> None:
             # before the rest of the checks import TensorFlow, JAX and SeqIO. A mistake
             # found before it stays one line.
             if not line.shows_config:
+                from capibara_exp import phases
+
                 sweep = " (a sweep)" if line.multirun else ""
-                print(f"{PROG}: starting (engine={comp.cfg.engine.name}){sweep} ...",
-                      file=sys.stderr, flush=True)
+                phases.starting(PROG, f" (engine={comp.cfg.engine.name}){sweep}")
 
         with user_errors(PROG, prefix="configuration error: "):
             checks.check_run(comp, line, starting)
