@@ -12,7 +12,7 @@ import pytest
 
 from capibara_exp import experiment
 from capibara_exp.errors import ConfigError
-from capibara_exp.runtime import actions, checkpoints, gin_utils, resume, train_script
+from capibara_exp.runtime import actions, checkpoints, gin_utils, resume
 from capibara_exp.runtime.config import (
     DatasetConfig,
     RestoreCheckpointConfig,
