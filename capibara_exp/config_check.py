@@ -326,6 +326,30 @@ def _lora_consensus(v: dict[str, Any]) -> Found:
     return None
 
 
+def _infer_samples(v: dict[str, Any]) -> Found:
+    """pass@k needs k samples; several samples need sampling; T5X draws one."""
+    n, ks = v.get("infer_eval.infer_eval_num_samples"), v.get("infer_eval.infer_eval_pass_ks")
+    if not isinstance(n, int):
+        return None
+    if isinstance(ks, list) and not ks:
+        return "infer_eval.infer_eval_pass_ks", "needs at least one k"
+    big = [k for k in ks or () if isinstance(k, int) and k > n]
+    if big:
+        return (("infer_eval.infer_eval_pass_ks", "infer_eval.infer_eval_num_samples"),
+                f"pass@{big[0]} needs at least {big[0]} samples per example "
+                f"(infer_eval.infer_eval_num_samples={n})")
+    if n > 1 and not v.get("infer_eval.infer_eval_temperature"):
+        return ("infer_eval.infer_eval_num_samples", "more than one sample needs "
+                "infer_eval.infer_eval_temperature > 0 (greedy decodes are all the same)")
+    runtime = v.get("engine.runtime") if v.get("engine.name") == "tpu_vm" else v.get(
+        "engine.name")
+    if n > 1 and runtime == "t5x":
+        return ("infer_eval.infer_eval_num_samples", "engine=t5x decodes one sample per example "
+                "(T5X's InferenceEvaluator calls predict_batch); pass@k with k > 1 runs "
+                "under engine=local")
+    return None
+
+
 def _merge_weights(v: dict[str, Any]) -> Found:
     if v.get("method") == "weighted" and v.get("weights") is None:
         return "weights", "method=weighted needs one weight per candidate"
@@ -335,6 +359,6 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
     "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _attention_heads,
                _vocabulary, _initial_checkpoint, _schedule,
-               _consensus, _curriculum, _lora_consensus),
+               _consensus, _curriculum, _lora_consensus, _infer_samples),
     "merge": (_merge_weights,),
 }

@@ -5,6 +5,7 @@ sweep objective and consensus gate metric."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,56 @@ def test_training_runs_the_inference_eval_and_early_stopping_reads_it(tmp_path: 
           "early_stopping.early_stopping_atol=2.0")  # no gain can beat 2.0: stop at once
     rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) < 8
+
+
+def odd_output(outcome, expected) -> bool:
+    """A user checker (infer_eval_checker): passes a program whose output (stdout and stderr)
+    has an odd length, so samples of one problem pass and fail by what they print."""
+    return len(outcome.stdout + outcome.stderr) % 2 == 1
+
+
+def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
+        tmp_path: Path, data_dir) -> None:
+    run = tmp_path / "run"
+    train(run, "trainer.train_steps=2", "trainer.eval_period=2",
+          "checkpoint.checkpoint_period=2", *INFER, "infer_eval.infer_eval_num_samples=4",
+          "infer_eval.infer_eval_temperature=1.0", "infer_eval.infer_eval_pass_ks=[1,2,3,4]",
+          "infer_eval.infer_eval_checker=tests.test_infer_eval:odd_output")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (got,) = [r for r in rows if r["split"] == "inference_eval"]
+    # the counts seqio's JSON logger recorded for the step: [samples, passed] per problem
+    logged = [json.loads(line) for line in (run / "inference_eval" /
+              "capibara_e2b_codegen-metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in logged if r["step"] == got["step"]]
+    counts = json.loads(record["pass_counts"])
+    assert len(counts) == 2 and all(n == 4 for n, _ in counts)  # 2 validation problems
+    assert any(0 < c < n for n, c in counts), f"{counts}: pass@k could not tell k apart"
+    for k in (1, 2, 3, 4):
+        want = sum(1 - math.comb(n - c, k) / math.comb(n, k) for n, c in counts) / len(counts)
+        assert math.isclose(got[f"capibara_e2b_codegen/pass@{k}"], want, rel_tol=1e-12,
+                            abs_tol=1e-12), (k, counts)
+        assert math.isclose(record[f"pass@{k}"], want, rel_tol=1e-12, abs_tol=1e-12)
+    assert "capibara_e2b_codegen/pass@5" not in got
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["infer_eval.infer_eval_pass_ks=[1,5]", "infer_eval.infer_eval_num_samples=4",
+      "infer_eval.infer_eval_temperature=1.0"],
+     "infer_eval.infer_eval_pass_ks=[1, 5] (set by the command line): pass@5 needs at least 5 "
+     "samples per example (infer_eval.infer_eval_num_samples=4)"),
+    (["infer_eval.infer_eval_num_samples=4"], "infer_eval.infer_eval_num_samples=4 (set by the "
+     "command line): more than one sample needs infer_eval.infer_eval_temperature > 0"),
+    (["infer_eval.infer_eval_num_samples=2", "infer_eval.infer_eval_temperature=0.7",
+      "engine=t5x"], "infer_eval.infer_eval_num_samples=2 (set by the command line): "
+     "engine=t5x decodes one sample per example"),
+])
+def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None:
+    from capibara_exp.cli import checks, flags
+    from capibara_exp.cli.common import register_resolvers
+    from capibara_exp.errors import ConfigError
+
+    register_resolvers()
+    line = flags.parse(["infer_eval=codegen", *overrides, "model_dir=/tmp/x"])
+    with pytest.raises(ConfigError) as err:
+        checks.compose_checked(line, "config")
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

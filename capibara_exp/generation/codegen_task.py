@@ -3,10 +3,10 @@
 `capibara_e2b_codegen`: one example per logged Python cell that ran without an error and
 printed something; `inputs` is the cell's first half of lines (at least one), `targets` the
 rest, and the logged stdout is kept to score against. Its metric runs prompt + prediction
-in the execution sandbox (generation/scoring.py: pass@1 and its interval, under T5X's
-metric names). Logs: $CAPIBARA_CODEGEN_LOGS (an E2B-format JSONL), else the collected logs
-of the built data ($CAPIBARA_DATA_DIR/.../logs/collected.jsonl). Splits: every 5th record
-is validation, the rest train.
+in the execution sandbox (generation/scoring.py: pass@k for the configured k and their
+intervals, under T5X's metric names). Logs: $CAPIBARA_CODEGEN_LOGS (an E2B-format JSONL),
+else the collected logs of the built data ($CAPIBARA_DATA_DIR/.../logs/collected.jsonl).
+Splits: every 5th record is validation, the rest train.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ def postprocess(output: str, example: dict | None = None, is_target: bool = Fals
     return {"prompt": text("inputs_pretokenized"), "stdout": text("stdout")}
 
 
-def register(name: str = TASK, **metric_options) -> str:
+def register(name: str = TASK, replace: bool = False, **metric_options) -> str:
+    """The task under `name`, its metric given `metric_options` (scoring.codegen_metric's
+    ks, mode, checker, ...); `replace` registers it again with these options."""
+    if replace and name in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.remove(name)
     if name not in seqio.TaskRegistry.names():
         seqio.TaskRegistry.add(
             name,
@@ -91,6 +95,15 @@ def register(name: str = TASK, **metric_options) -> str:
             metric_fns=[functools.partial(scoring.codegen_metric, **metric_options)],
         )
     return name
+
+
+def configured(name: str = TASK, pass_ks=(1,), mode: str = "stdout",
+               checker: str | None = None) -> str:
+    """The task registered again with the inference eval's scoring settings; its name, which
+    gin/runs/infer_eval_codegen.gin binds as the eval's mixture_or_task_name (so the
+    settings reach the metric under both engines)."""
+    return register(name, replace=True, ks=tuple(int(k) for k in pass_ks), mode=mode,
+                    checker=checker)
 
 
 register()
