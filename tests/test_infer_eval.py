@@ -35,11 +35,12 @@ def logs(tmp_path: Path, monkeypatch) -> Path:
     return path
 
 
-def evaluate_with(predict) -> dict:
-    """seqio.Evaluator on the task's validation split with a given predict_fn."""
+def evaluate_with(predict, vocabulary=None) -> dict:
+    """seqio.Evaluator on the task's validation split (in `vocabulary`, the byte one by
+    default) with a given predict_fn."""
     from capibara_exp.generation import codegen_task
 
-    task = seqio.get_mixture_or_task(codegen_task.register())
+    task = seqio.get_mixture_or_task(codegen_task.configured(vocabulary=vocabulary))
     evaluator = seqio.Evaluator(codegen_task.TASK, seqio.DecoderFeatureConverter(pack=False),
                                 eval_split="validation",
                                 sequence_length={"inputs": 64, "targets": 32})
@@ -137,3 +138,37 @@ def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None
     with pytest.raises(ConfigError) as err:
         checks.compose_checked(line, "config")
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_the_task_and_the_inference_eval_take_the_models_vocabulary(tmp_path: Path,
+                                                                   data_dir) -> None:
+    """A tokenizer.json vocabulary (a BPE trained here): the task tokenizes in it, scores
+    what is decoded from it, and a run's inference eval reads it."""
+    from capibara_exp.data import vocabularies
+    from capibara_exp.generation import codegen_task
+    from tests import hf_reference
+
+    path = hf_reference.build_tokenizer(tmp_path / "tok") / "tokenizer.json"
+    vocab = vocabularies.get("tokenizer_json", str(path))
+    assert codegen_task.configured(vocabulary=vocab) == codegen_task.TASK
+    task = seqio.get_mixture_or_task(codegen_task.TASK)
+    assert task.output_features["targets"].vocabulary == vocab
+    rows = codegen_task.examples(Path(codegen_task.logs_path()))
+    rest = {r["prompt"]: r["rest"] for r in rows}
+    oracle = evaluate_with(lambda ex: rest[vocab.decode(
+        [int(t) for t in ex["decoder_input_tokens"] * ex["decoder_causal_attention"] if t])],
+        vocab)
+    assert oracle["pass@1"] == 1.0
+
+    run = tmp_path / "run"
+    train(run, "trainer.train_steps=2", "trainer.eval_period=2",
+          "checkpoint.checkpoint_period=2", "model.vocabulary=tokenizer_json",
+          f"model.vocabulary_path={path}", f"model.vocab_size={vocab.vocab_size}", *INFER)
+    logged = [json.loads(line) for line in (run / "inference_eval" /
+              "capibara_e2b_codegen-000002.jsonl").read_text().splitlines()]
+    assert len(logged) == 2
+    for row in logged:
+        assert row["input"]["inputs"] == list(vocab.encode(row["input"]["inputs_pretokenized"]))
+    (infer,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["split"] == "inference_eval"]
+    assert 0.0 <= infer["capibara_e2b_codegen/pass@1"] <= 1.0
