@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -326,9 +327,29 @@ def _lora_consensus(v: dict[str, Any]) -> Found:
     return None
 
 
+_PASS_AT = re.compile(r"(?:^|/)pass@(\d+)$")
+
+
+def unreported_pass_at_k(metric: Any, pass_ks: Any) -> str | None:
+    """Why `metric` (e.g. '<task>/pass@4') is not a pass@k the run's inference eval reports
+    (its infer_eval_pass_ks); None when it is, or is no pass@k."""
+    found = _PASS_AT.search(str(metric or ""))
+    if not found:
+        return None
+    if not isinstance(pass_ks, list):
+        return "pass@k comes from the inference eval: add infer_eval=codegen"
+    if int(found.group(1)) not in pass_ks:
+        return (f"pass@{found.group(1)} is not reported (infer_eval.infer_eval_pass_ks="
+                f"{_show(pass_ks)})")
+    return None
+
+
 def _infer_samples(v: dict[str, Any]) -> Found:
     """pass@k needs k samples; several samples need sampling; T5X draws one."""
     n, ks = v.get("infer_eval.infer_eval_num_samples"), v.get("infer_eval.infer_eval_pass_ks")
+    problem = unreported_pass_at_k(v.get("early_stopping.early_stopping_metric"), ks)
+    if problem:
+        return "early_stopping.early_stopping_metric", problem
     if not isinstance(n, int):
         return None
     if isinstance(ks, list) and not ks:

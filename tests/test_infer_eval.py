@@ -127,6 +127,9 @@ def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
     (["infer_eval.infer_eval_num_samples=2", "infer_eval.infer_eval_temperature=0.7",
       "engine=t5x"], "infer_eval.infer_eval_num_samples=2 (set by the command line): "
      "engine=t5x decodes one sample per example"),
+    (["early_stopping=pass_at_k", "early_stopping.early_stopping_metric=pass@4"],
+     "early_stopping.early_stopping_metric=pass@4 (set by the command line): pass@4 is not "
+     "reported (infer_eval.infer_eval_pass_ks=[1])"),
 ])
 def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None:
     from capibara_exp.cli import checks, flags
@@ -172,3 +175,21 @@ def test_the_task_and_the_inference_eval_take_the_models_vocabulary(tmp_path: Pa
     (infer,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                 if json.loads(line)["split"] == "inference_eval"]
     assert 0.0 <= infer["capibara_e2b_codegen/pass@1"] <= 1.0
+
+
+def test_a_sweep_on_a_pass_at_k_the_runs_do_not_report_is_refused() -> None:
+    from capibara_exp.cli import checks, flags
+    from capibara_exp.cli.common import register_resolvers
+    from capibara_exp.errors import ConfigError
+
+    register_resolvers()
+    samples = ["infer_eval=codegen", "infer_eval.infer_eval_num_samples=4",
+               "infer_eval.infer_eval_temperature=0.8", "+sweeps=pass_at_k",
+               "hydra.sweeper.metric=capibara_e2b_codegen/pass@4"]
+    line = flags.parse(["-m", *samples, "infer_eval.infer_eval_pass_ks=[1,4]"])
+    checks.check_sweep(checks.compose_checked(line, "config")[0])  # reported: accepted
+    line = flags.parse(["-m", *samples])
+    with pytest.raises(ConfigError) as err:
+        checks.check_sweep(checks.compose_checked(line, "config")[0])
+    assert str(err.value) == ("hydra.sweeper.metric=capibara_e2b_codegen/pass@4: pass@4 is not "
+                              "reported (infer_eval.infer_eval_pass_ks=[1])")
