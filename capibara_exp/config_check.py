@@ -345,7 +345,7 @@ def unreported_pass_at_k(metric: Any, pass_ks: Any) -> str | None:
 
 
 def _infer_samples(v: dict[str, Any]) -> Found:
-    """pass@k needs k samples; several samples need sampling; T5X draws one."""
+    """pass@k needs k samples; several samples need sampling; LoRA runs decode nothing."""
     n, ks = v.get("infer_eval.infer_eval_num_samples"), v.get("infer_eval.infer_eval_pass_ks")
     problem = unreported_pass_at_k(v.get("early_stopping.early_stopping_metric"), ks)
     if problem:
@@ -362,12 +362,10 @@ def _infer_samples(v: dict[str, Any]) -> Found:
     if n > 1 and not v.get("infer_eval.infer_eval_temperature"):
         return ("infer_eval.infer_eval_num_samples", "more than one sample needs "
                 "infer_eval.infer_eval_temperature > 0 (greedy decodes are all the same)")
-    runtime = v.get("engine.runtime") if v.get("engine.name") == "tpu_vm" else v.get(
-        "engine.name")
-    if n > 1 and runtime == "t5x":
-        return ("infer_eval.infer_eval_num_samples", "engine=t5x decodes one sample per example "
-                "(T5X's InferenceEvaluator calls predict_batch); pass@k with k > 1 runs "
-                "under engine=local")
+    if "lora.rank" in v:  # the adapters alone are no model to decode with
+        return ("infer_eval.infer_eval_num_samples", "a LoRA run has no inference eval "
+                "(its checkpoints hold adapters only): export them (capibara-exp-lora export) "
+                "and run capibara-exp-generate on the export")
     return None
 
 

@@ -125,13 +125,16 @@ def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
     (["infer_eval.infer_eval_num_samples=4"], "infer_eval.infer_eval_num_samples=4 (set by the "
      "command line): more than one sample needs infer_eval.infer_eval_temperature > 0"),
     (["infer_eval.infer_eval_num_samples=2", "infer_eval.infer_eval_temperature=0.7",
-      "engine=t5x"], "infer_eval.infer_eval_num_samples=2 (set by the command line): "
-     "engine=t5x decodes one sample per example"),
+      "lora=attention", "lora.base_checkpoint=x"], "infer_eval.infer_eval_num_samples=2 (set "
+     "by the command line): a LoRA run has no inference eval"),
+    (["lora=attention", "lora.base_checkpoint=x"], "infer_eval.infer_eval_num_samples=1 ("),
     (["early_stopping=pass_at_k", "early_stopping.early_stopping_metric=pass@4"],
      "early_stopping.early_stopping_metric=pass@4 (set by the command line): pass@4 is not "
      "reported (infer_eval.infer_eval_pass_ks=[1])"),
 ])
 def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None:
+    """...and several samples are not refused under engine=t5x (T5X draws them:
+    tests/test_t5x_engine.py)."""
     from capibara_exp.cli import checks, flags
     from capibara_exp.cli.common import register_resolvers
     from capibara_exp.errors import ConfigError
@@ -141,6 +144,18 @@ def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None
     with pytest.raises(ConfigError) as err:
         checks.compose_checked(line, "config")
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_several_samples_compose_under_engine_t5x() -> None:
+    from capibara_exp.cli import checks, flags
+    from capibara_exp.cli.common import register_resolvers
+
+    register_resolvers()
+    line = flags.parse(["infer_eval=codegen", "infer_eval.infer_eval_num_samples=2",
+                        "infer_eval.infer_eval_temperature=0.7", "engine=t5x",
+                        "infer_eval.infer_eval_pass_ks=[1,2]", "model_dir=/tmp/x"])
+    cfg = checks.compose_checked(line, "config")[0]
+    assert cfg.cfg.infer_eval.infer_eval_num_samples == 2 and cfg.cfg.engine.name == "t5x"
 
 
 def test_the_task_and_the_inference_eval_take_the_models_vocabulary(tmp_path: Path,

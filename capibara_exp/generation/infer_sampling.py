@@ -1,10 +1,10 @@
 """The inference eval's decoding as one T5X `decode_fn`: `t5x.decoding.temperature_sample`
 at the configured temperature and top-p (temperature 0: T5X's argmax branch, greedy), and
-the number of samples to draw per example, which the local engine's inference eval asks
-predict_batch_with_aux for (num_decodes, return_all_decodes). Bound by gin/runs/
-infer_eval.gin as both model classes' `decode_fn` from conf/infer_eval's keys, so T5X's own
-inference eval decodes with the same temperature and top-p (one sample: T5X's
-InferenceEvaluator calls predict_batch, which returns one decode per example)."""
+the number of samples to draw per example, which predict_batch_with_aux is asked for
+(num_decodes, return_all_decodes). Bound by gin/runs/infer_eval.gin as both model classes'
+`decode_fn` from conf/infer_eval's keys, so both engines decode alike: the local engine's
+inference eval reads `num_samples` itself; under engine=t5x the model classes of
+generation/t5x_models.py read it when T5X's InferenceEvaluator calls predict_batch."""
 
 from __future__ import annotations
 
