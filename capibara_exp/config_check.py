@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -326,6 +327,48 @@ def _lora_consensus(v: dict[str, Any]) -> Found:
     return None
 
 
+_PASS_AT = re.compile(r"(?:^|/)pass@(\d+)$")
+
+
+def unreported_pass_at_k(metric: Any, pass_ks: Any) -> str | None:
+    """Why `metric` (e.g. '<task>/pass@4') is not a pass@k the run's inference eval reports
+    (its infer_eval_pass_ks); None when it is, or is no pass@k."""
+    found = _PASS_AT.search(str(metric or ""))
+    if not found:
+        return None
+    if not isinstance(pass_ks, list):
+        return "pass@k comes from the inference eval: add infer_eval=codegen"
+    if int(found.group(1)) not in pass_ks:
+        return (f"pass@{found.group(1)} is not reported (infer_eval.infer_eval_pass_ks="
+                f"{_show(pass_ks)})")
+    return None
+
+
+def _infer_samples(v: dict[str, Any]) -> Found:
+    """pass@k needs k samples; several samples need sampling; LoRA runs decode nothing."""
+    n, ks = v.get("infer_eval.infer_eval_num_samples"), v.get("infer_eval.infer_eval_pass_ks")
+    problem = unreported_pass_at_k(v.get("early_stopping.early_stopping_metric"), ks)
+    if problem:
+        return "early_stopping.early_stopping_metric", problem
+    if not isinstance(n, int):
+        return None
+    if isinstance(ks, list) and not ks:
+        return "infer_eval.infer_eval_pass_ks", "needs at least one k"
+    big = [k for k in ks or () if isinstance(k, int) and k > n]
+    if big:
+        return (("infer_eval.infer_eval_pass_ks", "infer_eval.infer_eval_num_samples"),
+                f"pass@{big[0]} needs at least {big[0]} samples per example "
+                f"(infer_eval.infer_eval_num_samples={n})")
+    if n > 1 and not v.get("infer_eval.infer_eval_temperature"):
+        return ("infer_eval.infer_eval_num_samples", "more than one sample needs "
+                "infer_eval.infer_eval_temperature > 0 (greedy decodes are all the same)")
+    if "lora.rank" in v:  # the adapters alone are no model to decode with
+        return ("infer_eval.infer_eval_num_samples", "a LoRA run has no inference eval "
+                "(its checkpoints hold adapters only): export them (capibara-exp-lora export) "
+                "and run capibara-exp-generate on the export")
+    return None
+
+
 def _merge_weights(v: dict[str, Any]) -> Found:
     if v.get("method") == "weighted" and v.get("weights") is None:
         return "weights", "method=weighted needs one weight per candidate"
@@ -335,6 +378,6 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
     "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _attention_heads,
                _vocabulary, _initial_checkpoint, _schedule,
-               _consensus, _curriculum, _lora_consensus),
+               _consensus, _curriculum, _lora_consensus, _infer_samples),
     "merge": (_merge_weights,),
 }

@@ -35,13 +35,14 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
     "t5x": (
         "import __main__ as train_script",
         "from t5x import gin_utils",
-        "from t5x import models",
+        # T5X's model classes drawing the inference eval's samples (generation/t5x_models.py)
+        "from capibara_exp.generation import t5x_models as models",
         "from t5x import optimizers",
         "from t5x import partitioning",
         "from t5x import trainer",
         "from t5x import utils",
         "import optax as hyperparams",
-        "from t5x.contrib.moe import models as moe_models",
+        "from capibara_exp.generation import t5x_moe_models as moe_models",
         "from t5x.contrib.moe import partitioning as moe_partitioning",
         "from t5x.contrib.moe import trainer as moe_trainer",
     ),

@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from capibara_exp import config_check
 from capibara_exp.errors import ConfigError
 
 REPORT = "meta_report.json"
@@ -164,6 +165,13 @@ def run(cfg: DictConfig, compose: Composer, train: Callable[..., Any],
     check(mc, members)
     split = mc.gate.metric.partition("/")[0]
     configs = {s.name: _member_config(compose, mc, s, out / "members" / s.name) for s in members}
+    for s in members:  # a pass@k gate needs members that report that k
+        ks = OmegaConf.select(configs[s.name][0], "infer_eval.infer_eval_pass_ks")
+        problem = config_check.unreported_pass_at_k(
+            mc.gate.metric, OmegaConf.to_container(ks) if ks is not None else None)
+        if problem:
+            raise ConfigError(f"meta_consensus.gate.metric={mc.gate.metric}: strategy {s.name}: "
+                              f"{problem}")
     for s in members:  # every member is composed and checked before any trains
         run_dir = out / "members" / s.name
         if _finished(run_dir, configs[s.name][0], split):

@@ -172,3 +172,49 @@ def test_beam_search_returns_best_first_and_stop_tokens_cut() -> None:
     assert stopped[0][0][0] == first[:first.index(first[1])]
     short = _tiny_generate(decoding.Sampling(max_new_tokens=2))
     assert short[0][0][0] == first[:2]
+
+
+def _counting_steps(monkeypatch) -> list[int]:
+    """Each decode step (one tokens_to_logits call inside T5X's loop) appends to the list."""
+    steps: list[int] = []
+    original = decoding.decode_fn
+
+    def counted(s: decoding.Sampling):
+        fn = original(s)
+
+        def decode(*, tokens_to_logits, **kwargs):
+            def count(state):
+                jax.debug.callback(lambda: steps.append(1))
+                return tokens_to_logits(state)
+            return fn(tokens_to_logits=count, **kwargs)
+        return decode
+
+    monkeypatch.setattr(decoding, "decode_fn", counted)
+    return steps
+
+
+@pytest.mark.parametrize("sample", [{}, {"method": "sample", "temperature": 1.5,
+                                         "num_samples": 2, "seed": 3}])
+def test_stops_end_the_decode_loop_early_with_the_cut_output(monkeypatch, sample) -> None:
+    from capibara_exp.generation import stopping
+
+    steps = _counting_steps(monkeypatch)
+    max_new = 12
+    full = _tiny_generate(decoding.Sampling(max_new_tokens=max_new, **sample))
+    full_steps = len(steps)
+    rows = [ids for row in full for ids, _ in row]
+    assert all(len(ids) >= 3 for ids in rows), "outputs too short to stop inside"
+    # every row stops by its third token: the loop can end long before max_new_tokens
+    singles = tuple(sorted({ids[1] for ids in rows}))
+    pairs = tuple(sorted({(ids[1], ids[2]) for ids in rows}))
+    for stops in ({"stop_tokens": singles}, {"stop_sequences": pairs}):
+        steps.clear()
+        stopped = _tiny_generate(decoding.Sampling(max_new_tokens=max_new, **sample, **stops))
+        want_stops = [(t,) for t in stops.get("stop_tokens", ())] + list(
+            stops.get("stop_sequences", ()))
+        # the same samples; T5X orders a prompt's samples by score, and an early-stopped
+        # sample's score leaves out the tokens after its stop, so compare them sorted
+        want = [sorted(stopping.cut(ids, want_stops) for ids, _ in row) for row in full]
+        got = [sorted(ids for ids, _ in row) for row in stopped]
+        assert got == want
+        assert len(steps) <= 4 < max_new <= full_steps, (len(steps), full_steps)

@@ -59,6 +59,34 @@ def test_generates_from_a_trained_run(capsys, tmp_path: Path, run_dir: Path, met
     assert record["model"]["emb_dim"] == 32 and record["count"] == 3
 
 
+def test_a_stop_text_ends_each_output_at_its_tokens(capsys, tmp_path: Path,
+                                                   run_dir: Path) -> None:
+    """stop_text is encoded in the model's vocabulary (bytes here: several tokens) and each
+    output ends before its first occurrence, as cutting the full output there does."""
+    common = [f"checkpoint={run_dir}", f"prompts={prompts_file(tmp_path)}", "max_new_tokens=12"]
+    code, line = generate(capsys, *common, f"out={tmp_path / 'full.jsonl'}")
+    assert code == 0, line
+    full = [json.loads(r)["outputs"][0]["ids"] for r in
+            (tmp_path / "full.jsonl").read_text().splitlines()]
+    printable = [(a, b) for ids in full for a, b in zip(ids, ids[1:], strict=False)
+                 if all(35 <= x <= 129 and x != 95 for x in (a, b))]  # printable, not \\
+    assert printable, f"{full}: no two printable bytes to stop at"
+    pair = printable[0]
+    stop = bytes(t - 3 for t in pair).decode()
+    code, line = generate(capsys, *common, f"out={tmp_path / 'stopped.jsonl'}",
+                          f"stop_text={stop}")
+    assert code == 0, line
+    got = [json.loads(r)["outputs"][0]["ids"] for r in
+           (tmp_path / "stopped.jsonl").read_text().splitlines()]
+
+    def cut(ids):  # the reference: the full output before the pair's first occurrence
+        at = next((i for i in range(len(ids) - 1) if tuple(ids[i:i + 2]) == pair), None)
+        return ids if at is None else ids[:at]
+
+    assert got == [cut(ids) for ids in full]
+    assert any(len(g) < len(f) for g, f in zip(got, full, strict=True))
+
+
 def test_a_stopped_run_resumes_after_its_finished_prompts(capsys, tmp_path: Path,
                                                           run_dir: Path, monkeypatch) -> None:
     from capibara_exp.generation import command

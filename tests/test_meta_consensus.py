@@ -80,7 +80,11 @@ def test_meta_consensus_trains_gates_merges_evaluates_and_resumes(tmp_path, data
 def test_bad_meta_settings_fail_before_anything_trains(tmp_path) -> None:
     trainer = Trainer()
     for gate, message in (({"mode": "lowest"}, "gate.mode must be min or max"),
-                          ({"metric": "loss"}, "gate.metric must be <split>/<name>")):
+                          ({"metric": "loss"}, "gate.metric must be <split>/<name>"),
+                          ({"metric": "inference_eval/capibara_e2b_codegen/pass@4"},
+                           "meta_consensus.gate.metric=inference_eval/capibara_e2b_codegen/pass@4: "
+                           "strategy a: "
+                           "pass@k comes from the inference eval: add infer_eval=codegen")):
         with pytest.raises(ConfigError, match=message):
             meta_consensus.run(meta_cfg(tmp_path, **gate), compose_member, trainer, print)
     cfg = meta_cfg(tmp_path)

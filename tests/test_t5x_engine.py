@@ -137,13 +137,9 @@ def test_checkpoints_cross_between_engines(runs: dict[str, Path], data_dir: Path
     assert checkpoints.steps(run)[-1] == 8
 
 
-def test_t5x_inference_eval_runs_the_networks_decode_as_capibara_generate(
-        tmp_path: Path, data_dir: Path, monkeypatch) -> None:
-    """Real T5X's inference eval (predict_batch over the project's network and its decode
-    cache, seqio.Evaluator, the execution metric) under engine=t5x; its greedy predictions
-    are what capibara-exp-generate decodes from the same checkpoint; its pass@1 reaches
-    metrics.jsonl as the local engine writes it."""
-    from tests.test_infer_eval import INFER, PROGRAMS
+def codegen_logs(tmp_path: Path, monkeypatch) -> None:
+    """The code-generation task's E2B logs (tests/test_infer_eval.py's programs)."""
+    from tests.test_infer_eval import PROGRAMS
 
     logs = tmp_path / "e2b.jsonl"
     logs.write_text("".join(json.dumps({
@@ -151,6 +147,17 @@ def test_t5x_inference_eval_runs_the_networks_decode_as_capibara_generate(
             "results": [], "logs": {"stdout": [out], "stderr": []}, "error": None,
             "execution_count": 1}}) + "\n" for i, (code, out) in enumerate(PROGRAMS)))
     monkeypatch.setenv("CAPIBARA_CODEGEN_LOGS", str(logs))
+
+
+def test_t5x_inference_eval_runs_the_networks_decode_as_capibara_generate(
+        tmp_path: Path, data_dir: Path, monkeypatch) -> None:
+    """Real T5X's inference eval (predict_batch over the project's network and its decode
+    cache, seqio.Evaluator, the execution metric) under engine=t5x; its greedy predictions
+    are what capibara-exp-generate decodes from the same checkpoint; its pass@1 reaches
+    metrics.jsonl as the local engine writes it."""
+    from tests.test_infer_eval import INFER
+
+    codegen_logs(tmp_path, monkeypatch)
     run = tmp_path / "run"
     capibara("engine=t5x", f"data_dir={data_dir}", f"model_dir={run}", *INFER, cwd=tmp_path)
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
@@ -169,3 +176,38 @@ def test_t5x_inference_eval_runs_the_networks_decode_as_capibara_generate(
     ours = [json.loads(r)["outputs"][0]["text"] for r in out.read_text().splitlines()]
     for mine, theirs in zip(ours, logged, strict=True):
         assert len(mine) >= 6 and theirs["prediction"].startswith(mine[:-3])
+
+
+def test_t5x_inference_eval_draws_several_samples_and_reports_pass_at_k(
+        tmp_path: Path, data_dir: Path, monkeypatch) -> None:
+    """pass@k with k > 1 under real T5X: its InferenceEvaluator's predict_batch draws
+    infer_eval_num_samples decodes per example (generation/t5x_models.py), seqio decodes each,
+    and the metric's pass@k is the unbiased estimator over the counts it recorded."""
+    from tests.test_infer_eval import INFER
+
+    codegen_logs(tmp_path, monkeypatch)
+    # the checker (tests.test_infer_eval:odd_output) imports in T5X's child process too
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    run = tmp_path / "run"
+    capibara("engine=t5x", f"data_dir={data_dir}", f"model_dir={run}", "trainer.train_steps=2",
+             *INFER, "infer_eval.infer_eval_num_samples=4", "infer_eval.infer_eval_temperature=1.0",
+             "infer_eval.infer_eval_pass_ks=[1,2,3,4]",
+             "infer_eval.infer_eval_checker=tests.test_infer_eval:odd_output", cwd=tmp_path)
+    predictions = [json.loads(r)["prediction"] for r in (
+        run / "inference_eval" / "capibara_e2b_codegen-000002.jsonl").read_text().splitlines()]
+    assert len(predictions) == 2 and all(
+        isinstance(p, list) and len(p) == 4 for p in predictions), predictions
+    assert any(len(set(p)) > 1 for p in predictions), predictions  # sampled, not one decode
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    (got,) = [r for r in rows if r["split"] == "inference_eval"]
+    logged = [json.loads(line) for line in (run / "inference_eval" /
+              "capibara_e2b_codegen-metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in logged if r["step"] == got["step"]]
+    counts = json.loads(record["pass_counts"])
+    assert len(counts) == 2 and all(n == 4 for n, _ in counts)
+    assert any(0 < c < n for n, c in counts), f"{counts}: pass@k could not tell k apart"
+    for k in (1, 2, 3, 4):
+        want = sum(1 - math.comb(n - c, k) / math.comb(n, k) for n, c in counts) / len(counts)
+        assert math.isclose(got[f"capibara_e2b_codegen/pass@{k}"], want, rel_tol=1e-12,
+                            abs_tol=1e-12), (k, counts)

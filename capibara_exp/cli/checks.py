@@ -139,6 +139,11 @@ def check_sweep(comp: Composition) -> None:
     for key, dist in searched.distributions.items():
         for value in _sweep_values(dist):
             _check_swept(comp, key, value)
+    metric, ks = settings.get("metric"), OmegaConf.select(comp.cfg, "infer_eval.infer_eval_pass_ks")
+    problem = config_check.unreported_pass_at_k(
+        metric, OmegaConf.to_container(ks) if ks is not None else None)
+    if problem:
+        raise ConfigError(f"hydra.sweeper.metric={metric}: {problem}")
 
 
 def _sweep_values(dist: object) -> list:

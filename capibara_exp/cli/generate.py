@@ -3,7 +3,7 @@
     capibara-exp-generate checkpoint=PATH prompts=FILE.txt|FILE.jsonl out=OUT.jsonl
     capibara-exp-generate checkpoint=PATH task=SEQIO_TASK [split=validation] out=OUT.jsonl
         [method=greedy|sample|beam] [temperature=1.0] [top_k=0] [top_p=0.0] [num_beams=4]
-        [alpha=0.6] [max_new_tokens=64] [stop=ID,ID] [seed=0] [num_samples=1]
+        [alpha=0.6] [max_new_tokens=64] [stop=ID,ID] [stop_text=TEXT] [seed=0] [num_samples=1]
         [batch_size=8] [max_length=2048] [limit=N] [model=ENTRY] [config_dir=DIR] [dtype=...]
 
 checkpoint: a run's model dir (its latest checkpoint), a checkpoint_<step> dir, a merge's, a
@@ -26,7 +26,7 @@ from capibara_exp.errors import Preempted
 PROG = "capibara-exp-generate"
 REQUIRED = ("checkpoint", "out")
 OPTIONAL = ("prompts", "task", "split", "method", "temperature", "top_k", "top_p", "num_beams",
-            "alpha", "max_new_tokens", "stop", "seed", "num_samples", "batch_size",
+            "alpha", "max_new_tokens", "stop", "stop_text", "seed", "num_samples", "batch_size",
             "max_length", "limit", "model", "config_dir", "dtype")
 INTS = ("top_k", "num_beams", "max_new_tokens", "seed", "num_samples", "batch_size",
         "max_length", "limit")

@@ -3,10 +3,10 @@
 `capibara_e2b_codegen`: one example per logged Python cell that ran without an error and
 printed something; `inputs` is the cell's first half of lines (at least one), `targets` the
 rest, and the logged stdout is kept to score against. Its metric runs prompt + prediction
-in the execution sandbox (generation/scoring.py: pass@1 and its interval, under T5X's
-metric names). Logs: $CAPIBARA_CODEGEN_LOGS (an E2B-format JSONL), else the collected logs
-of the built data ($CAPIBARA_DATA_DIR/.../logs/collected.jsonl). Splits: every 5th record
-is validation, the rest train.
+in the execution sandbox (generation/scoring.py: pass@k for the configured k and their
+intervals, under T5X's metric names). Logs: $CAPIBARA_CODEGEN_LOGS (an E2B-format JSONL),
+else the collected logs of the built data ($CAPIBARA_DATA_DIR/.../logs/collected.jsonl).
+Splits: every 5th record is validation, the rest train.
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ from capibara_exp.generation import scoring
 
 TASK = "capibara_e2b_codegen"
 LOGS_ENV = "CAPIBARA_CODEGEN_LOGS"
-FEATURES = {"inputs": seqio.Feature(VOCABULARY, add_eos=False),
-            "targets": seqio.Feature(VOCABULARY, add_eos=True)}
+
+
+def features(vocabulary: seqio.Vocabulary | None = None) -> dict:
+    """inputs (the program's start) and targets (the rest, then EOS) in `vocabulary` (the
+    byte vocabulary by default)."""
+    vocabulary = vocabulary or VOCABULARY
+    return {"inputs": seqio.Feature(vocabulary, add_eos=False),
+            "targets": seqio.Feature(vocabulary, add_eos=True)}
 
 
 def logs_path() -> Path:
@@ -80,17 +86,32 @@ def postprocess(output: str, example: dict | None = None, is_target: bool = Fals
     return {"prompt": text("inputs_pretokenized"), "stdout": text("stdout")}
 
 
-def register(name: str = TASK, **metric_options) -> str:
+def register(name: str = TASK, replace: bool = False,
+             vocabulary: seqio.Vocabulary | None = None, **metric_options) -> str:
+    """The task under `name` in `vocabulary`, its metric given `metric_options`
+    (scoring.codegen_metric's ks, mode, checker, ...); `replace` registers it again."""
+    if replace and name in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.remove(name)
     if name not in seqio.TaskRegistry.names():
         seqio.TaskRegistry.add(
             name,
             source=seqio.FunctionDataSource(_dataset_fn, splits=("train", "validation")),
             preprocessors=[seqio.preprocessors.tokenize_and_append_eos],
-            output_features=FEATURES,
+            output_features=features(vocabulary),
             postprocess_fn=postprocess,
             metric_fns=[functools.partial(scoring.codegen_metric, **metric_options)],
         )
     return name
+
+
+def configured(name: str = TASK, vocabulary: seqio.Vocabulary | None = None, pass_ks=(1,),
+               mode: str = "stdout", checker: str | None = None) -> str:
+    """The task registered again in the model's vocabulary and with the inference eval's
+    scoring settings; its name (the same: metric names stay `<task>/pass@k`), which
+    gin/runs/infer_eval_codegen.gin binds as the eval's mixture_or_task_name, so both
+    engines tokenize and score alike."""
+    return register(name, replace=True, vocabulary=vocabulary,
+                    ks=tuple(int(k) for k in pass_ks), mode=mode, checker=checker)
 
 
 register()

@@ -82,6 +82,11 @@ def prepare(keys: dict) -> Job:
     records, source = _source(keys)
     loaded = loading.load(keys["checkpoint"], keys.get("model"), keys.get("config_dir"),
                           keys.get("dtype"))
+    if "stop_text" in keys:  # a stop string: its tokens in the model's vocabulary
+        stop = list(loaded.vocabulary.encode(keys["stop_text"].replace("\\n", "\n")))
+        if not stop:
+            raise ConfigError(f"stop_text={keys['stop_text']!r}: no tokens")
+        s = dataclasses.replace(s, stop_sequences=(*s.stop_sequences, tuple(stop)))
     ids = _encode(records, loaded.vocabulary, s, keys.get("max_length", 2048), source)
     record = {"checkpoint": str(loaded.step_dir), "model": loaded.model,
               "sampling": dataclasses.asdict(s), "prompts": source,

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capibara_exp.generation import stopping
+
 METHODS = ("greedy", "sample", "beam")
 
 
@@ -36,6 +38,7 @@ class Sampling:
     alpha: float = 0.6  # beam search's length penalty (T5X's brevity exponent)
     max_new_tokens: int = 64
     stop_tokens: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # several tokens each
     seed: int = 0
     num_samples: int = 1
 
@@ -54,18 +57,29 @@ class Sampling:
     def num_decodes(self) -> int:
         return self.num_beams if self.method == "beam" else self.num_samples
 
+    @property
+    def stops(self) -> tuple[tuple[int, ...], ...]:
+        """Every stop as a token sequence (a stop token is one of one token)."""
+        return tuple((int(t),) for t in self.stop_tokens) + tuple(
+            tuple(int(t) for t in seq) for seq in self.stop_sequences if len(seq))
+
 
 def decode_fn(s: Sampling) -> Any:
-    """The t5x.decoding function and its fixed arguments."""
+    """The t5x.decoding function and its fixed arguments. Sampling and greedy decoding end
+    once every row has emitted EOS or a stop (generation/stopping.py); beam search ends at
+    EOS or max length, its stops cut afterwards."""
     from t5x import decoding
 
     if s.method == "beam":
         return functools.partial(decoding.beam_search, alpha=s.alpha)
     if s.method == "greedy" or s.temperature == 0:  # T5X's zero-temperature branch: argmax
-        return functools.partial(decoding.temperature_sample, temperature=0.0, topk=0,
-                                 max_decode_steps=s.max_new_tokens)
-    return functools.partial(decoding.temperature_sample, temperature=s.temperature,
-                             topk=s.top_k, topp=s.top_p, max_decode_steps=s.max_new_tokens)
+        sample = functools.partial(decoding.temperature_sample, temperature=0.0, topk=0,
+                                   max_decode_steps=s.max_new_tokens)
+    else:
+        sample = functools.partial(decoding.temperature_sample, temperature=s.temperature,
+                                   topk=s.top_k, topp=s.top_p,
+                                   max_decode_steps=s.max_new_tokens)
+    return stopping.with_stops(sample, s.stops)
 
 
 def t5x_model(module: Any, vocabulary: Any, s: Sampling) -> Any:
@@ -97,16 +111,6 @@ def predict_program(model: Any, s: Sampling) -> Any:
     return jax.jit(predict)
 
 
-def cut(ids: Sequence[int], stops: Sequence[int]) -> list[int]:
-    """Generated ids up to (without) the first stop token or padding."""
-    out = []
-    for t in ids:
-        if t in stops or t == 0:
-            break
-        out.append(int(t))
-    return out
-
-
 def generate(module: Any, params: Any, vocabulary: Any, prompts: Sequence[Sequence[int]],
              s: Sampling, batch_size: int = 8, on_compiled: Any = None
              ) -> Iterator[list[tuple[list[int], float]]]:
@@ -121,7 +125,7 @@ def generate(module: Any, params: Any, vocabulary: Any, prompts: Sequence[Sequen
     batch_size = min(batch_size, len(prompts))  # no rows decoded for nothing
     width = max(len(p) for p in prompts)
     length = width + 1 + s.max_new_tokens
-    stops = (vocabulary.eos_id, *s.stop_tokens)
+    stops = ((vocabulary.eos_id,), *s.stops)
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
         real = len(chunk)
@@ -144,4 +148,5 @@ def _row(decodes_NxL, scores_N, s: Sampling, stops) -> list:
         order = np.arange(s.num_samples)
     # T5X's decoders return the generated tokens alone (the prompt dropped); beam search
     # may run past max_new_tokens for a row with a short prompt: cut there.
-    return [(cut(decodes_NxL[i][:s.max_new_tokens], stops), float(scores_N[i])) for i in order]
+    return [(stopping.cut(decodes_NxL[i][:s.max_new_tokens], stops), float(scores_N[i]))
+            for i in order]

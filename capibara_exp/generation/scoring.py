@@ -6,6 +6,7 @@ sample of every problem in the execution sandbox and reports pass@k."""
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
@@ -66,9 +67,11 @@ def run_all(targets: Sequence[dict], samples: Sequence[Sequence[str]],
 def codegen_metric(targets: Sequence[dict], predictions: Sequence[Any], ks=(1,),
                    mode: str = "stdout", checker: str | None = None,
                    limits: execution.Limits | None = None,
-                   workers: int = 2) -> dict[str, float]:
+                   workers: int = 2) -> dict[str, Any]:
     """A seqio metric_fn: predictions are one program continuation per problem or a list of
-    samples each; pass@k for each k no larger than the samples, with its interval."""
+    samples each; pass@k for each k (at most the fewest samples of a problem: a ConfigError
+    otherwise), with its interval, and `pass_counts`, each problem's (samples, passed) as a
+    JSON text (seqio.metrics.Text: its JSON and TensorBoard loggers keep it)."""
     if mode not in MODES:
         raise ConfigError(f"mode={mode!r}: one of {', '.join(MODES)}")
     samples = [[p] if isinstance(p, str) else list(p) for p in predictions]
@@ -77,8 +80,18 @@ def codegen_metric(targets: Sequence[dict], predictions: Sequence[Any], ks=(1,),
     counts = [(len(row), sum(passed(o, t, mode, check) for o in row))
               for t, row in zip(targets, outcomes, strict=True)]
     n = min(c[0] for c in counts)
-    scores: dict[str, float] = {}
+    too_big = [k for k in ks if k > n]
+    if too_big:
+        raise ConfigError(f"pass@{too_big[0]} needs at least {too_big[0]} samples per problem, "
+                          f"the inference eval drew {n} (infer_eval.infer_eval_num_samples)")
+    scores: dict[str, Any] = {}
     for k in ks:
-        if k <= n:
-            scores.update(pass_at_k.estimate(counts, k))
+        scores.update(pass_at_k.estimate(counts, k))
+    scores["pass_counts"] = seqio_text(json.dumps([list(c) for c in counts]))
     return scores
+
+
+def seqio_text(text: str) -> Any:
+    import seqio
+
+    return seqio.metrics.Text(textdata=text)

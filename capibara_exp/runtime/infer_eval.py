@@ -3,9 +3,12 @@
 eval.InferenceEvaluator uses them. The evaluator is made with log_dir
 MODEL_DIR/inference_eval (its loggers, e.g. seqio.TensorBoardLogger, write there under
 T5X's names) and the model's feature converter unpacked; each evaluation predicts with
-T5X's DecoderOnlyModel.predict_batch_with_aux (the model's decode_fn; greedy by default)
-and the task's metric_fns score the predictions. The metrics also go to metrics.jsonl
-(split 'inference_eval', keys '<task>/<metric>') and to the INFER_EVAL actions."""
+T5X's DecoderOnlyModel.predict_batch_with_aux (the model's decode_fn; greedy by default),
+`num_samples` decodes per example when the decode_fn asks for several (generation/
+infer_sampling.py: each example's prediction is then the list of its samples, as seqio
+takes top-k decodes), and the task's metric_fns score the predictions. The metrics also go
+to metrics.jsonl (split 'inference_eval', keys '<task>/<metric>') and to the INFER_EVAL
+actions."""
 
 from __future__ import annotations
 
@@ -49,12 +52,15 @@ class InferEval:
             eval_split=cfg.split, use_cached=cfg.use_cached, seed=cfg.seed,
             sequence_length=dict(cfg.task_feature_lengths),
             use_memory_cache=cfg.use_memory_cache, log_dir=os.path.join(model_dir, SPLIT))
+        self.num_samples = int(getattr(decode_fn, "num_samples", 1))
         self._predict = jax.jit(lambda params, batch: self.t5x_model.predict_batch_with_aux(
-            params, batch, rng=jax.random.PRNGKey(0))[0])
+            params, batch, rng=jax.random.PRNGKey(0), num_decodes=self.num_samples,
+            return_all_decodes=self.num_samples > 1)[0])
 
-    def predict_fn(self, dataset: Any, params: Any) -> list[tuple[int, list[int]]]:
-        """seqio's predict_fn: (index, tokens) of every (index, features) example, in
-        batches of the config's batch_size (the last padded: one compiled program)."""
+    def predict_fn(self, dataset: Any, params: Any) -> list[tuple[int, list]]:
+        """seqio's predict_fn: (index, tokens) of every (index, features) example (tokens:
+        [num_samples][length] when several), in batches of the config's batch_size (the
+        last padded: one compiled program)."""
         size, out = self.cfg.batch_size, []
         rows = list(dataset.as_numpy_iterator())
         for start in range(0, len(rows), size):
@@ -64,7 +70,7 @@ class InferEval:
             batch = {k: jnp.asarray(np.stack([f[k] for _, f in chunk]))
                      for k in chunk[0][1]}
             tokens = np.asarray(jax.device_get(self._predict(params, batch)))
-            out += [(int(chunk[i][0]), [int(t) for t in tokens[i]]) for i in range(real)]
+            out += [(int(chunk[i][0]), tokens[i].tolist()) for i in range(real)]
         return out
 
     def evaluate(self, params: Any, step: int) -> dict[str, dict[str, float]]:
