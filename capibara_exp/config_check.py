@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 from collections.abc import Callable
@@ -369,6 +370,25 @@ def _infer_samples(v: dict[str, Any]) -> Found:
     return None
 
 
+def _infer_checker(v: dict[str, Any]) -> Found:
+    """A checker is found by name now, not after training when the eval first scores (under
+    engine=t5x a checker that fails to import there only reaches the run log)."""
+    spec = v.get("infer_eval.infer_eval_checker")
+    if not isinstance(spec, str):
+        return None
+    module, sep, name = spec.partition(":")
+    if not (sep and module and name.isidentifier()):
+        return "infer_eval.infer_eval_checker", "must be 'module:function'"
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return ("infer_eval.infer_eval_checker", f"no module {module!r} on this Python's path "
+                "(set PYTHONPATH to the folder that holds it)")
+    return None
+
+
 def _merge_weights(v: dict[str, Any]) -> Found:
     if v.get("method") == "weighted" and v.get("weights") is None:
         return "weights", "method=weighted needs one weight per candidate"
@@ -378,6 +398,7 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
     "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _attention_heads,
                _vocabulary, _initial_checkpoint, _schedule,
-               _consensus, _curriculum, _lora_consensus, _infer_samples),
+               _consensus, _curriculum, _lora_consensus, _infer_samples,
+               _infer_checker),
     "merge": (_merge_weights,),
 }

@@ -131,6 +131,12 @@ def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
     (["early_stopping=pass_at_k", "early_stopping.early_stopping_metric=pass@4"],
      "early_stopping.early_stopping_metric=pass@4 (set by the command line): pass@4 is not "
      "reported (infer_eval.infer_eval_pass_ks=[1])"),
+    (["infer_eval.infer_eval_checker=no_such_module_here:check"],
+     "infer_eval.infer_eval_checker=no_such_module_here:check (set by the command line): no "
+     "module 'no_such_module_here' on this Python's path"),
+    (["infer_eval.infer_eval_checker=tests.test_infer_eval"],
+     "infer_eval.infer_eval_checker=tests.test_infer_eval (set by the command line): must be "
+     "'module:function'"),
 ])
 def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None:
     """...and several samples are not refused under engine=t5x (T5X draws them:
