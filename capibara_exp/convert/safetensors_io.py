@@ -5,9 +5,11 @@ data_offsets: [begin, end]}} and an optional "__metadata__" of strings) and the 
 bytes, little-endian and row-major. A sharded model lists its files in
 `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map": {name: file}}).
 
-Reading reads each tensor when it is used (one read of its bytes into a new array), so
-nothing else is held, not even as mapped pages. Writing computes the header from
-the shapes first, then streams each tensor's bytes in order: host memory is one tensor.
+Reading reads each tensor when it is used: one read of its bytes into a new array, or a
+read-only view of the file's pages (`mapped`, for the import, which transposes and writes
+from it) mapped only while the tensor is in use. Nothing else is held. Writing computes
+the header from the shapes first, then streams each tensor's bytes in order: host memory
+is one tensor.
 """
 
 from __future__ import annotations
@@ -72,14 +74,29 @@ class SafetensorsFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor, read from the file into a new array."""
+        begin, end = self._span(name)
+        raw = np.fromfile(self.path, np.uint8, count=end - begin, offset=self._start + begin)
+        return raw.view(self.dtype(name)).reshape(self.shape(name))
+
+    def mapped(self, name: str) -> np.ndarray:
+        """The tensor as a read-only view of the file's pages (mapped until the array is
+        dropped): what is made from it (a transpose, a write) reads the page cache itself,
+        without first copying the bytes into a new array."""
+        begin, end = self._span(name)
+        if end == begin:
+            return self.tensor(name)
+        raw = np.memmap(self.path, np.uint8, mode="r", offset=self._start + begin,
+                        shape=(end - begin,))
+        return raw.view(self.dtype(name)).reshape(self.shape(name))
+
+    def _span(self, name: str) -> tuple[int, int]:
         begin, end = self.entries[name]["data_offsets"]
         dtype, shape = self.dtype(name), self.shape(name)
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if end - begin != expected or self._start + end > self._size:
             raise ConfigError(f"{self.path}: tensor {name} has {end - begin} bytes for shape "
                               f"{list(shape)} {dtype} ({expected} expected), or the file is cut")
-        raw = np.fromfile(self.path, np.uint8, count=end - begin, offset=self._start + begin)
-        return raw.view(dtype).reshape(shape)
+        return begin, end
 
 
 class Checkpoint:
@@ -113,6 +130,9 @@ class Checkpoint:
 
     def tensor(self, name: str) -> np.ndarray:
         return self.where[name].tensor(name)
+
+    def mapped(self, name: str) -> np.ndarray:
+        return self.where[name].mapped(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].shape(name)
