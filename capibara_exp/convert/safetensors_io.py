@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -215,12 +216,29 @@ def write_file(path: Path, planned: Iterable[Planned], metadata: dict[str, str] 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for name, shape, dtype, values in planned:
-            array = np.ascontiguousarray(values(), dtype=dtype)
-            if array.shape != tuple(shape):
-                raise ValueError(f"{name}: planned shape {shape}, got {array.shape}")
+        for (name, _, _, _), array in zip(planned, _made(planned), strict=True):
             f.write(array.reshape(-1).view(np.uint8).data)  # (bfloat16 has no buffer format)
             yield name, array.nbytes
+
+
+def _made(planned: list[Planned]) -> Iterator[np.ndarray]:
+    """Each planned tensor's values, in order, the next one made on a thread while the caller
+    writes this one (reading, transposing and writing overlap; two tensors are held)."""
+    def make(item: Planned) -> np.ndarray:
+        name, shape, dtype, values = item
+        array = np.ascontiguousarray(values(), dtype=dtype)
+        if array.shape != tuple(shape):
+            raise ValueError(f"{name}: planned shape {shape}, got {array.shape}")
+        return array
+
+    with ThreadPoolExecutor(1, thread_name_prefix="make") as pool:
+        coming = pool.submit(make, planned[0]) if planned else None
+        for item in planned[1:]:
+            array = coming.result()
+            coming = pool.submit(make, item)
+            yield array
+        if coming is not None:
+            yield coming.result()
 
 
 def write_index(directory: Path, files: dict[str, list[Planned]], total_size: int) -> None:
