@@ -31,6 +31,7 @@ from capibara_exp import phases
 from capibara_exp.convert import families, names, safetensors_io, t5x_writer
 from capibara_exp.convert.network import network
 from capibara_exp.errors import ConfigError
+from capibara_exp.runtime import checkpoints
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json", "config.json")
@@ -113,7 +114,10 @@ def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
         return np.stack([load(s) for s in sources])
 
     make: Callable[[], np.ndarray] = lambda: load(entry.sources)  # noqa: E731
-    return t5x_writer.Leaf(shape, ckpt.dtype(first), make, entry.path)
+    names_ = entry.names()
+    what = (f"tensor {first}" if len(names_) == 1 else
+            f"tensors {first} ... {names_[-1]} (stacked into {entry.path})")
+    return t5x_writer.Leaf(shape, ckpt.dtype(first), make, f"{ckpt.where[first].path}: {what}")
 
 
 def _model_entry(fam: families.Family, keys: Mapping[str, Any], source: Path, name: str,
@@ -188,7 +192,10 @@ def _write(staging: Path, out: Path, fam, keys, name, config, ckpt, entries, sha
             "target": traverse_util.unflatten_dict(
                 {e.path: lazy_leaf(ckpt, e, shapes[e.path]) for e in entries}, sep="/")}
     with phases.phase(f"writing {len(entries)} parameters"):
-        t5x_writer.save(staging, 0, tree, kind="import")
+        try:
+            t5x_writer.save(staging, 0, tree, kind="import")
+        except checkpoints.NonFiniteState as err:  # bad input: one line, nothing written
+            raise ConfigError(str(err)) from None
     tokenizer = _tokenizer(hf_dir, staging, keys["vocab_size"])
     (staging / "conf" / "model").mkdir(parents=True)
     (staging / "conf" / "model" / f"{name}.yaml").write_text(

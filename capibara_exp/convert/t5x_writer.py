@@ -53,7 +53,7 @@ class Leaf:
             raise checkpoints.CheckpointError(f"{self.name}: made shape {array.shape}, "
                                               f"planned {self.shape}")
         if not finite(array):
-            raise checkpoints.NonFiniteState(f"{self.name} holds NaN/Inf: not written")
+            raise checkpoints.NonFiniteState(f"{self.name} holds NaN/Inf (nothing written)")
         return array
 
 
