@@ -16,9 +16,10 @@ transformers saves one), then times and measures, each in a fresh process:
 - the export: that checkpoint back into safetensors.
 
 Prints throughput (bytes of weights per second) and each one's ratio to the plain read (the
-goal is >= 0.7x), and the import's peak host memory (RSS above the process's start) against
-the largest tensor and against the model (the goal: bounded by a few tensors, flat in model
-size).
+goal is >= 0.7x), the import's time against the floors and where it goes, and the import's
+peak host memory (RSS above the process's start) against the largest tensor and against the
+model, also less what an import of a model 1/64 the size takes (the goal: bounded by a few
+tensors, flat in model size).
 
     python bench/convert.py [--gb 2.0] [--layers 8] [--cold]
 """
@@ -187,6 +188,7 @@ def drop_caches() -> bool:
 def measure(what: str, src: Path, out: Path, cold: bool) -> dict:
     if cold and not drop_caches():
         raise SystemExit("--cold needs to write /proc/sys/vm/drop_caches (root on Linux)")
+    os.sync()  # the steps before's dirty pages on disk: no step is throttled for another's
     result = subprocess.run([sys.executable, "-c", CHILD, what, str(src), str(out)],
                             capture_output=True, text=True, check=False)
     if result.returncode:
@@ -206,12 +208,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         root = Path(tmp).absolute()
         (root / "hf").mkdir()
+        (root / "tiny").mkdir()
         sizes = build(root / "hf", args.gb, args.layers)
+        build(root / "tiny", args.gb / 64, args.layers)
         results = {}
         for what in steps:
             src = root / ("imported" if what == "export" else "hf")
             cold = args.cold and what in ("read", "import", "export")
             results[what] = measure(what, src, root / what.replace("import", "imported"), cold)
+        tiny = measure("import", root / "tiny", root / "tiny_imported", False)
     gb = sizes["bytes"] / 1e9
     load = os.getloadavg()
     print(f"{'cold (page cache emptied before each)' if args.cold else 'warm page cache'}; "
@@ -227,7 +232,11 @@ def main() -> None:
     imported, floor = results["import"], results["orbax_write"]["seconds"]
     print(f"import: {imported['seconds'] / floor:.2f} x the time Orbax takes to write "
           "the same parameters from memory (the write alone, parameters made beforehand); "
-          f"{imported['seconds'] / results['ts_write']['seconds']:.2f} x tensorstore's")
+          f"{imported['seconds'] / results['ts_write']['seconds']:.2f} x tensorstore's; "
+          f"{imported['seconds'] / results['raw_write_fsync']['seconds']:.2f} x a raw write "
+          "of the same bytes with fsync")
+    print(f"export: {results['export']['seconds'] / results['raw_write']['seconds']:.2f} x a "
+          "raw write of the same bytes (the export does not fsync)")
     marks = imported.get("marks") or {}
     if marks:
         (start, save), (_, manifest) = marks["save"], marks["write_manifest"]
@@ -235,9 +244,11 @@ def main() -> None:
               f"headers), {save - manifest:.2f} s writing the arrays (Orbax's save), "
               f"{manifest:.2f} s the checksum manifest (every file read back), "
               f"{imported['seconds'] - start - save:.2f} s the rest")
-    peak = imported["peak_rss_above_start"]
+    peak, fixed = imported["peak_rss_above_start"], tiny["peak_rss_above_start"]
     print(f"import peak host memory: {peak / sizes['largest_tensor']:.2f} x the largest tensor, "
-          f"{peak / sizes['bytes']:.2f} x the model")
+          f"{peak / sizes['bytes']:.2f} x the model; less the {fixed / 1e6:.0f} MB an import "
+          f"of a 1/64 model takes ({tiny['seconds']:.2f} s: threads, libraries' pages): "
+          f"{(peak - fixed) / sizes['largest_tensor']:.2f} x the largest tensor")
 
 if __name__ == "__main__":
     main()
