@@ -124,17 +124,18 @@ class LeafHandler(ocp.type_handlers.NumpyHandler):
     async def _write_all(self, leaves: list[Leaf], infos: list, args: list) -> None:
         budget = _Budget(self.budget)
         with ThreadPoolExecutor(self.workers, thread_name_prefix="leaf") as pool:
-            tasks = []
-            try:
-                for leaf, info, arg in zip(leaves, infos, args, strict=True):
-                    await budget.take(leaf.nbytes)  # in order: the files are read in order
-                    if any(t.done() and t.exception() for t in tasks):
-                        break  # (gather raises it)
-                    tasks.append(asyncio.ensure_future(self._write(leaf, info, arg, pool, budget)))
-                await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
+            tasks: list[asyncio.Future] = []
+            for leaf, info, arg in zip(leaves, infos, args, strict=True):
+                await budget.take(leaf.nbytes)  # in order: the files are read in order
+                if any(t.done() and t.exception() for t in tasks):
+                    break  # one failed: start no more
+                tasks.append(asyncio.ensure_future(self._write(leaf, info, arg, pool, budget)))
+            # Every write started ends before the failure is raised: a write still in flight
+            # would otherwise put files back into the directory the caller then removes.
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
     async def _write(self, leaf: Leaf, info: Any, arg: Any, pool: ThreadPoolExecutor,
                      budget: _Budget) -> None:
