@@ -15,11 +15,12 @@ transformers saves one), then times and measures, each in a fresh process:
 - the import: the same files into a T5X-layout checkpoint;
 - the export: that checkpoint back into safetensors.
 
-Prints throughput (bytes of weights per second) and each one's ratio to the plain read (the
-goal is >= 0.7x), the import's time against the floors and where it goes, and the import's
-peak host memory (RSS above the process's start) against the largest tensor and against the
-model, also less what an import of a model 1/64 the size takes (the goal: bounded by a few
-tensors, flat in model size).
+Prints throughput (bytes of weights per second), each one's ratio to the plain read (the
+goal is >= 0.7x) and the CPU seconds it used (user and system, all threads: next to the
+wall time, whether a step waited for the cores or for the disk), the import's time against
+the floors and where it goes, and the import's peak host memory (RSS above the process's
+start) against the largest tensor and against the model, also less what an import of a
+model 1/64 the size takes (the goal: bounded by a few tensors, flat in model size).
 
     python bench/convert.py [--gb 2.0] [--layers 8] [--cold]
 """
@@ -68,7 +69,7 @@ if what in ("raw_write", "raw_write_fsync", "ts_write", "orbax_write", "transpos
         kernels = [ckpt.tensor(e.names()[0]) for e in hf_import.names.entries(fam, keys)
                    if e.transpose and isinstance(e.sources, str)]
 start = proc.memory_info().rss
-t0 = time.perf_counter()
+t0, cpu0 = time.perf_counter(), sum(proc.cpu_times()[:2])
 if what == "read":
     ckpt = safetensors_io.Checkpoint(Path(src))
     total = 0
@@ -104,7 +105,7 @@ elif what == "orbax_write":  # Orbax's own save of the same arrays from memory
     from flax import traverse_util
     tree = {"state": {"step": np.asarray(0, np.int32)},
             "target": traverse_util.unflatten_dict(arrays, sep="/")}
-    start, t0 = proc.memory_info().rss, time.perf_counter()
+    start, t0, cpu0 = proc.memory_info().rss, time.perf_counter(), sum(proc.cpu_times()[:2])
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True,
                                                       use_compression=False)) as c:
         c.save(out, args=ocp.args.PyTreeSave(tree))
@@ -125,9 +126,9 @@ elif what == "import":  # where its time goes: the checks, the arrays, the manif
     hf_import.import_model(src, out, name="bench")
 else:
     hf_export.export_model(src, out)
-seconds = time.perf_counter() - t0
+seconds, cpu = time.perf_counter() - t0, sum(proc.cpu_times()[:2]) - cpu0
 time.sleep(0.02)
-print(json.dumps({"seconds": seconds, "peak_rss_above_start": peak[0] - start,
+print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss_above_start": peak[0] - start,
                   "marks": marks if what == "import" else {}}))
 """
 
@@ -227,7 +228,7 @@ def main() -> None:
     for name, r in results.items():
         rate = gb / r["seconds"]
         print(f"{name:16s} {r['seconds']:7.2f} s  {rate:6.3f} GB/s  "
-              f"{read / r['seconds']:5.2f} x the plain read  "
+              f"{read / r['seconds']:5.2f} x the plain read  cpu {r['cpu']:6.2f} s  "
               f"peak RSS +{r['peak_rss_above_start'] / 1e6:7.0f} MB")
     imported, floor = results["import"], results["orbax_write"]["seconds"]
     print(f"import: {imported['seconds'] / floor:.2f} x the time Orbax takes to write "
