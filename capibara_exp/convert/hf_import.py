@@ -105,7 +105,8 @@ def _tied_copy(ckpt: safetensors_io.Checkpoint, name: str, wanted: Mapping) -> b
 
 def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
               shape: tuple[int, ...]) -> t5x_writer.Leaf:
-    first = entry.names()[0]
+    sources = entry.names()
+    first = sources[0]
 
     def load(sources: Any) -> np.ndarray:
         if isinstance(sources, str):
@@ -114,9 +115,8 @@ def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
         return np.stack([load(s) for s in sources])
 
     make: Callable[[], np.ndarray] = lambda: load(entry.sources)  # noqa: E731
-    names_ = entry.names()
-    what = (f"tensor {first}" if len(names_) == 1 else
-            f"tensors {first} ... {names_[-1]} (stacked into {entry.path})")
+    what = (f"tensor {first}" if len(sources) == 1 else
+            f"tensors {first} ... {sources[-1]} (stacked into {entry.path})")
     return t5x_writer.Leaf(shape, ckpt.dtype(first), make, f"{ckpt.where[first].path}: {what}")
 
 
