@@ -105,8 +105,8 @@ def _tied_copy(ckpt: safetensors_io.Checkpoint, name: str, wanted: Mapping) -> b
 
 def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
               shape: tuple[int, ...]) -> t5x_writer.Leaf:
-    sources = entry.names()
-    first = sources[0]
+    hf_names = entry.names()
+    first = hf_names[0]
 
     def load(sources: Any) -> np.ndarray:
         if isinstance(sources, str):
@@ -115,8 +115,8 @@ def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
         return np.stack([load(s) for s in sources])
 
     make: Callable[[], np.ndarray] = lambda: load(entry.sources)  # noqa: E731
-    what = (f"tensor {first}" if len(sources) == 1 else
-            f"tensors {first} ... {sources[-1]} (stacked into {entry.path})")
+    what = (f"tensor {first}" if len(hf_names) == 1 else
+            f"tensors {first} ... {hf_names[-1]} (stacked into {entry.path})")
     return t5x_writer.Leaf(shape, ckpt.dtype(first), make, f"{ckpt.where[first].path}: {what}")
 
 
