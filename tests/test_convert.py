@@ -179,3 +179,72 @@ def test_export_of_the_t5_style_decoder_names_why(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="position_embedding=relative"):
         hf_export.family_for(hf_export.compose_entry("dense_tiny"))
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_kernels_transpose_as_numpy_transposes_them(dtype: str) -> None:
+    rng = np.random.default_rng(0)
+    for shape in [(5, 3), (7, 24), (40, 64), (33, 130), (1, 16), (16, 1), (0, 8)]:
+        x = (rng.standard_normal(shape) * 10).astype(dtype)
+        if x.size:
+            x.reshape(-1)[:: 7] = np.nan  # NaN bits move as they are
+        for tile in (2, 3, 128):  # bands and tiles that do and do not divide the shape
+            got = safetensors_io.transposed(x, tile)
+            want = np.ascontiguousarray(x.T)
+            assert got.dtype == x.dtype and got.shape == want.shape and got.flags.c_contiguous
+            assert got.tobytes() == want.tobytes(), (shape, tile)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_the_nan_check_agrees_with_numpys_isfinite(dtype: str) -> None:
+    from capibara_exp.convert import t5x_writer
+
+    x = np.random.default_rng(1).standard_normal(100).astype(dtype)
+    assert t5x_writer.finite(x, block=7) and t5x_writer.finite(x.reshape(10, 10))
+    for where in (0, 6, 7, 50, 99):  # at, before and after block edges
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[where] = bad
+            assert t5x_writer.finite(y, block=7) == bool(np.isfinite(y.astype(np.float64)).all())
+            assert not t5x_writer.finite(y, block=7)
+    import ml_dtypes
+
+    largest = ml_dtypes.finfo(dtype).max
+    assert t5x_writer.finite(np.array([largest, -largest], dtype))
+
+
+def test_the_write_budget_holds_back_what_does_not_fit() -> None:
+    import asyncio
+
+    from capibara_exp.convert import t5x_writer
+
+    async def scenario() -> list[str]:
+        budget, events = t5x_writer._Budget(10), []
+
+        async def take(name: str, n: int) -> None:
+            await budget.take(n)
+            events.append(f"took {name}")
+
+        await take("a", 6)
+        waiting = asyncio.ensure_future(take("b", 6))  # 12 > 10: waits for a
+        await asyncio.sleep(0)
+        events.append("a written")
+        await budget.give(6)
+        await waiting
+        await budget.give(6)
+        await take("huge", 25)  # larger than the budget: goes alone
+        return events
+
+    assert asyncio.run(scenario()) == ["took a", "a written", "took b", "took huge"]
+
+
+def test_a_nan_in_the_weights_is_refused_naming_the_tensor(tmp_path: Path, capsys) -> None:
+    hf_dir = hf_reference.build_model("llama3", tmp_path / "hf")
+    original = tensors(hf_dir)
+    original["model.layers.1.mlp.up_proj.weight"].reshape(-1)[5] = np.nan
+    planned = [(k, v.shape, v.dtype, lambda v=v: v) for k, v in original.items()]
+    list(safetensors_io.write_file(hf_dir / safetensors_io.SINGLE, planned))
+    code, _, err = run_cli(["import", f"hf_dir={hf_dir}", f"out={tmp_path / 'out'}"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "model.safetensors: tensor model.layers.1.mlp.up_proj.weight holds NaN" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.importing-*"))

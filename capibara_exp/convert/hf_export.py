@@ -4,10 +4,12 @@ past `max_shard_bytes`) and the model's tokenizer files.
 
 The model is named by a conf/model entry (`model=`) or found beside the checkpoint: the
 values a run's config.gin rendered (or its Hydra config), an import's
-conf/model/<entry>.yaml, or the run a LoRA export or a merge came from. Its family follows from its options (or `family=`); a model whose options
-no published family has (T5's relative positions, say) is refused by name. Tensors are read
-from the checkpoint one parameter at a time and streamed into the files in the checkpoint's
-dtype (or `dtype=`); OUT is written beside its final name and renamed when complete.
+conf/model/<entry>.yaml, or the run a LoRA export or a merge came from. Its family follows
+from its options (or `family=`); a model whose options no published family has (T5's
+relative positions, say) is refused by name. Tensors are read from the checkpoint one
+parameter at a time (tensorstore, with Orbax's spec for each array) and streamed into the
+files in the checkpoint's dtype (or `dtype=`), the next tensor made while one is written;
+OUT is written beside its final name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
 import yaml
+from etils import epath
 
 from capibara_exp import phases
 from capibara_exp.convert import families, names, safetensors_io
@@ -157,13 +162,13 @@ def _planned(fam, model, step_dir: Path, dtype: str | None) -> list[safetensors_
     checkpoint parameter once (a stacked parameter gives its slices one after another)."""
     meta = checkpoints.tree_metadata(step_dir)
     shapes = param_shapes(model)
+    read = LeafReader(meta)
     cache: dict[str, np.ndarray] = {}
 
     def leaf(path: str) -> np.ndarray:
         if path not in cache:
             cache.clear()
-            key = ("target", *path.split("/"))
-            cache[path] = checkpoints.read_leaves(step_dir, [key])[key]
+            cache[path] = read(("target", *path.split("/")))
         return cache[path]
 
     planned = []
@@ -178,6 +183,29 @@ def _planned(fam, model, step_dir: Path, dtype: str | None) -> list[safetensors_
         out_dtype = np.dtype(dtype) if dtype else np.dtype(meta[key].dtype)
         planned += _slices(entry, shapes[entry.path], out_dtype, leaf)
     return planned
+
+
+class LeafReader:
+    """One array of a checkpoint at a time, read by tensorstore with the spec Orbax gives it
+    (as Orbax's own restore reads it, without a restore's set-up for each array)."""
+
+    def __init__(self, meta: Mapping[tuple[str, ...], Any]):
+        self.meta = meta
+        self.context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+
+    def __call__(self, key: tuple[str, ...]) -> np.ndarray:
+        info = ocp.type_handlers.ParamInfo(
+            name=self.meta[key].name, parent_dir=epath.Path(self.meta[key].directory),
+            is_ocdbt_checkpoint=ocp.type_handlers.is_ocdbt_checkpoint(
+                epath.Path(self.meta[key].directory)))
+        spec = ocp.type_handlers.get_json_tspec_read(info, bool(info.is_ocdbt_checkpoint))
+        try:
+            store = ts.open(ts.Spec(spec), open=True, read=True, context=self.context).result()
+            return store.read().result()
+        except (ValueError, RuntimeError) as err:  # tensorstore's for a damaged array
+            raise checkpoints.CheckpointError(f"{self.meta[key].directory}: array "
+                                              f"{self.meta[key].name} cannot be read "
+                                              f"({err})") from err
 
 
 def _slices(entry: names.Entry, shape, dtype, leaf) -> list[safetensors_io.Planned]:

@@ -3,11 +3,12 @@ and a conf/model entry.
 
 Everything is checked before anything is written: the architecture (families.py), every
 tensor the model needs (present, of the right shape, a float dtype) and none it does not
-(names.py). Then OUT/checkpoint_0 is written a tensor at a time (runtime/checkpoints.
-save_streamed: host memory is a few tensors, not the model), with the tokenizer's files in
-OUT/tokenizer/, the model entry in OUT/conf/model/<name>.yaml and what was imported in
-OUT/import.json. The whole of OUT appears at once (written beside it, then renamed), so a
-refused or interrupted import leaves nothing.
+(names.py). Then OUT/checkpoint_0 is written as the tensors are read (t5x_writer.py:
+reading, transposing and writing overlap; host memory is a few tensors, not the model),
+with the tokenizer's files in OUT/tokenizer/, the model entry in
+OUT/conf/model/<name>.yaml and what was imported in OUT/import.json. The whole of OUT
+appears at once (written beside it, then renamed), so a refused or interrupted import
+leaves nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import yaml
 from flax import traverse_util
 
 from capibara_exp import phases
-from capibara_exp.convert import families, names, safetensors_io
+from capibara_exp.convert import families, names, safetensors_io, t5x_writer
 from capibara_exp.convert.network import network
 from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints
@@ -103,17 +104,20 @@ def _tied_copy(ckpt: safetensors_io.Checkpoint, name: str, wanted: Mapping) -> b
 
 
 def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
-              shape: tuple[int, ...]) -> checkpoints.LazyLeaf:
-    first = entry.names()[0]
+              shape: tuple[int, ...]) -> t5x_writer.Leaf:
+    hf_names = entry.names()
+    first = hf_names[0]
 
     def load(sources: Any) -> np.ndarray:
         if isinstance(sources, str):
-            x = ckpt.tensor(sources)
+            x = ckpt.mapped(sources)  # (the transpose, or the write, reads the pages)
             return safetensors_io.transposed(x) if entry.transpose else x
         return np.stack([load(s) for s in sources])
 
     make: Callable[[], np.ndarray] = lambda: load(entry.sources)  # noqa: E731
-    return checkpoints.LazyLeaf(shape, ckpt.dtype(first), make, entry.path)
+    what = (f"tensor {first}" if len(hf_names) == 1 else
+            f"tensors {first} ... {hf_names[-1]} (stacked into {entry.path})")
+    return t5x_writer.Leaf(shape, ckpt.dtype(first), make, f"{ckpt.where[first].path}: {what}")
 
 
 def _model_entry(fam: families.Family, keys: Mapping[str, Any], source: Path, name: str,
@@ -188,7 +192,10 @@ def _write(staging: Path, out: Path, fam, keys, name, config, ckpt, entries, sha
             "target": traverse_util.unflatten_dict(
                 {e.path: lazy_leaf(ckpt, e, shapes[e.path]) for e in entries}, sep="/")}
     with phases.phase(f"writing {len(entries)} parameters"):
-        checkpoints.save_streamed(staging, 0, tree, kind="import")
+        try:
+            t5x_writer.save(staging, 0, tree, kind="import")
+        except checkpoints.NonFiniteState as err:  # bad input: one line, nothing written
+            raise ConfigError(str(err)) from None
     tokenizer = _tokenizer(hf_dir, staging, keys["vocab_size"])
     (staging / "conf" / "model").mkdir(parents=True)
     (staging / "conf" / "model" / f"{name}.yaml").write_text(

@@ -5,9 +5,11 @@ data_offsets: [begin, end]}} and an optional "__metadata__" of strings) and the 
 bytes, little-endian and row-major. A sharded model lists its files in
 `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map": {name: file}}).
 
-Reading reads each tensor when it is used (one read of its bytes into a new array), so
-nothing else is held, not even as mapped pages. Writing computes the header from
-the shapes first, then streams each tensor's bytes in order: host memory is one tensor.
+Reading reads each tensor when it is used: one read of its bytes into a new array, or a
+read-only view of the file's pages (`mapped`, for the import, which transposes and writes
+from it) mapped only while the tensor is in use. Nothing else is held. Writing computes
+the header from the shapes first, then streams each tensor's bytes in order: host memory
+is one tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -72,14 +75,29 @@ class SafetensorsFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor, read from the file into a new array."""
+        begin, end = self._span(name)
+        raw = np.fromfile(self.path, np.uint8, count=end - begin, offset=self._start + begin)
+        return raw.view(self.dtype(name)).reshape(self.shape(name))
+
+    def mapped(self, name: str) -> np.ndarray:
+        """The tensor as a read-only view of the file's pages (mapped until the array is
+        dropped): what is made from it (a transpose, a write) reads the page cache itself,
+        without first copying the bytes into a new array."""
+        begin, end = self._span(name)
+        if end == begin:
+            return self.tensor(name)
+        raw = np.memmap(self.path, np.uint8, mode="r", offset=self._start + begin,
+                        shape=(end - begin,))
+        return raw.view(self.dtype(name)).reshape(self.shape(name))
+
+    def _span(self, name: str) -> tuple[int, int]:
         begin, end = self.entries[name]["data_offsets"]
         dtype, shape = self.dtype(name), self.shape(name)
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if end - begin != expected or self._start + end > self._size:
             raise ConfigError(f"{self.path}: tensor {name} has {end - begin} bytes for shape "
                               f"{list(shape)} {dtype} ({expected} expected), or the file is cut")
-        raw = np.fromfile(self.path, np.uint8, count=end - begin, offset=self._start + begin)
-        return raw.view(dtype).reshape(shape)
+        return begin, end
 
 
 class Checkpoint:
@@ -114,6 +132,9 @@ class Checkpoint:
     def tensor(self, name: str) -> np.ndarray:
         return self.where[name].tensor(name)
 
+    def mapped(self, name: str) -> np.ndarray:
+        return self.where[name].mapped(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].shape(name)
 
@@ -121,22 +142,44 @@ class Checkpoint:
         return self.where[name].dtype(name)
 
 
-def transposed(x: np.ndarray, tile: int = 256) -> np.ndarray:
-    """x.T as a new contiguous array, copied tile by tile (numpy's own strided copy of a large
-    2-D transpose runs at a fraction of the memory bandwidth)."""
-    if x.ndim != 2:
+def transposed(x: np.ndarray, tile: int = 128) -> np.ndarray:
+    """x.T as a new contiguous array. numpy's strided copy of a large 2-D transpose costs per
+    element, not per byte, and runs far below the memory bandwidth; so the matrix is moved as
+    16-byte words (eight bfloat16 side by side), a band of word-columns at a time in tiles
+    that stay in cache, and each band's words are then split into their lanes' rows (a band
+    of transposed words is (band, R, k) lanes; its rows of the result are (band, k, R)).
+    2-4x faster than tiles of single elements; beside x and the result, one band is held."""
+    if x.ndim != 2 or not x.size:
         return np.ascontiguousarray(x.T)
-    out = np.empty(x.shape[::-1], x.dtype)
-    src, dst = x.view(_UINTS.get(x.dtype.itemsize, x.dtype)), out.view(
-        _UINTS.get(x.dtype.itemsize, x.dtype))
+    x = np.ascontiguousarray(x)
+    rows, cols = x.shape
+    uint = _UINTS.get(x.dtype.itemsize)
+    fits = [(size // x.dtype.itemsize, word) for size, word in _WORDS
+            if uint and size // x.dtype.itemsize >= 2 and cols % (size // x.dtype.itemsize) == 0]
+    if not fits:
+        out = np.empty((cols, rows), x.dtype)
+        _tiled(x.view(uint or x.dtype), out.view(uint or x.dtype), tile)
+        return out
+    lanes, word = fits[0]
+    words = x.view(word)  # (moving bytes only: a NaN's bits are kept as they are)
+    out = np.empty((cols // lanes, lanes, rows), uint)
+    band = np.empty((min(tile, words.shape[1]), rows), word)
+    for j in range(0, words.shape[1], tile):
+        part = band[:min(tile, words.shape[1] - j)]
+        _tiled(words[:, j:j + tile], part, tile)
+        out[j:j + tile] = part.view(uint).reshape(-1, rows, lanes).transpose(0, 2, 1)
+    return out.reshape(cols, rows).view(x.dtype)
+
+
+def _tiled(x: np.ndarray, out: np.ndarray, tile: int) -> None:
+    """out[...] = x.T, tile by tile."""
     for i in range(0, x.shape[0], tile):
         for j in range(0, x.shape[1], tile):
-            dst[j:j + tile, i:i + tile] = src[i:i + tile, j:j + tile].T
-    return out
+            out[j:j + tile, i:i + tile] = x[i:i + tile, j:j + tile].T
 
 
+_WORDS = ((16, np.complex128), (8, np.uint64))  # numpy copies either as one unit
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 
 # A tensor to write: its name, shape, dtype and a function giving its values when written.
 Planned = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
@@ -173,12 +216,29 @@ def write_file(path: Path, planned: Iterable[Planned], metadata: dict[str, str] 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for name, shape, dtype, values in planned:
-            array = np.ascontiguousarray(values(), dtype=dtype)
-            if array.shape != tuple(shape):
-                raise ValueError(f"{name}: planned shape {shape}, got {array.shape}")
+        for (name, _, _, _), array in zip(planned, _made(planned), strict=True):
             f.write(array.reshape(-1).view(np.uint8).data)  # (bfloat16 has no buffer format)
             yield name, array.nbytes
+
+
+def _made(planned: list[Planned]) -> Iterator[np.ndarray]:
+    """Each planned tensor's values, in order, the next one made on a thread while the caller
+    writes this one (reading, transposing and writing overlap; two tensors are held)."""
+    def make(item: Planned) -> np.ndarray:
+        name, shape, dtype, values = item
+        array = np.ascontiguousarray(values(), dtype=dtype)
+        if array.shape != tuple(shape):
+            raise ValueError(f"{name}: planned shape {shape}, got {array.shape}")
+        return array
+
+    with ThreadPoolExecutor(1, thread_name_prefix="make") as pool:
+        coming = pool.submit(make, planned[0]) if planned else None
+        for item in planned[1:]:
+            array = coming.result()
+            coming = pool.submit(make, item)
+            yield array
+        if coming is not None:
+            yield coming.result()
 
 
 def write_index(directory: Path, files: dict[str, list[Planned]], total_size: int) -> None:
