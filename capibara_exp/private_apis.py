@@ -49,12 +49,6 @@ USES = (
         "capibara-exp's own compositions (cli/compose.py) read them with the same loader on "
         "libyaml's parser (see libyaml_for_omegaconf); Hydra's job composes as it always "
         "does."),
-    PrivateUse(
-        "orbax.checkpoint.type_handlers", "NumpyHandler._open_and_write",
-        "writing one array of a checkpoint whose arrays are made on demand (a converted "
-        "model, runtime/checkpoints.save_streamed): Orbax's public handlers take every array "
-        "of a save at once, so a model would have to fit in host memory; this per-array "
-        "write is where one array can be made, written and dropped before the next."),
 )
 
 
@@ -71,27 +65,6 @@ def distributed_client() -> object | None:
     from jax._src import distributed
 
     return distributed.global_state.client
-
-
-def streaming_numpy_handler(in_flight: int):
-    """An Orbax NumpyHandler for leaves with `.load()` (shape and dtype known, values made
-    when written): at most `in_flight` of them are in memory at once (see USES)."""
-    import asyncio
-
-    import orbax.checkpoint as ocp
-
-    class StreamingHandler(ocp.type_handlers.NumpyHandler):
-        def __init__(self) -> None:
-            super().__init__(deepcopy_host_arrays=False)
-            self._slots: asyncio.Semaphore | None = None
-
-        async def _open_and_write(self, value, tspec, ts_context):
-            if self._slots is None:  # made on the loop that writes
-                self._slots = asyncio.Semaphore(in_flight)
-            async with self._slots:
-                await super()._open_and_write(value.load(), tspec, ts_context)
-
-    return StreamingHandler()
 
 
 @contextlib.contextmanager

@@ -72,15 +72,6 @@ def test_jax_keeps_its_coordination_client_where_distributed_client_reads_it() -
                               f"{doc.splitlines()[:1]}; update launch/peers.py")
 
 
-def test_orbax_writes_one_numpy_array_from_value_spec_and_context() -> None:
-    write = _resolve(next(u for u in private_apis.USES if u.name.endswith("._open_and_write")))
-    params = list(inspect.signature(write).parameters)
-    assert params == ["self", "value", "tspec", "ts_context"], (
-        "orbax.checkpoint's NumpyHandler._open_and_write takes "
-        f"{params} in orbax-checkpoint {importlib.metadata.version('orbax-checkpoint')}: "
-        "update private_apis.streaming_numpy_handler")
-
-
 def _private_uses(path: Path) -> list[str]:
     """`obj._name` and imports of `_module`s or `_name`s from other packages in one file."""
     found = []

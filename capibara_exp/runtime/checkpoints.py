@@ -13,12 +13,10 @@ The kind of save (periodic, preemption, ...) goes into Orbax's own step metadata
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from capibara_exp import private_apis
 from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.runtime import integrity
 
@@ -218,33 +215,6 @@ def restore(model_dir: str | Path, step: int, template: Any) -> Any:
                               f"{err}); move it aside to resume from an earlier step") from err
 
 
-@dataclasses.dataclass(frozen=True)
-class LazyLeaf:
-    """A checkpoint leaf made when it is written (save_streamed): its shape and dtype now,
-    its values from `make()` then."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    make: Callable[[], np.ndarray]
-    name: str = ""
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def load(self) -> np.ndarray:
-        array = np.ascontiguousarray(self.make(), dtype=self.dtype)
-        if array.shape != tuple(self.shape):
-            raise CheckpointError(f"{self.name}: made shape {array.shape}, planned {self.shape}")
-        if not finite_bits(array):
-            raise NonFiniteState(f"{self.name} holds NaN/Inf: not written")
-        return array
-
-
 # Exponent bits of the IEEE float formats (bfloat16 included): all ones is Inf or NaN.
 _EXPONENTS = {2: (np.uint16, 0x7F80), 4: (np.uint32, 0x7F800000),
               8: (np.uint64, 0x7FF0000000000000)}
@@ -261,28 +231,6 @@ def finite_bits(array: np.ndarray) -> bool:
         uint, mask = _EXPONENTS[array.dtype.itemsize]
     bits = array.reshape(-1).view(uint)
     return not np.any((bits & uint(mask)) == uint(mask))
-
-
-def save_streamed(model_dir: str | Path, step: int, tree: Any, kind: str,
-                  in_flight: int = 2) -> Path:
-    """Write checkpoint_<step> in T5X's layout from a tree of LazyLeaf (and small host
-    arrays): at most `in_flight` leaves are in host memory while Orbax writes, whatever the
-    model's size. Uncompressed (a converted model is written once and read by every run).
-    Each leaf refuses NaN/Inf as it is made, so the manifest says the state is finite."""
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler()),
-        (LazyLeaf, private_apis.streaming_numpy_handler(in_flight)))
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_compression=False,
-                                          type_handler_registry=registry)
-    options = ocp.CheckpointManagerOptions(step_prefix=STEP_PREFIX, create=True)
-    with ocp.CheckpointManager(Path(model_dir).absolute(), options=options,
-                               item_handlers={ITEM: handler}) as mgr:
-        mgr.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
-                 force=True, custom_metadata={KIND_KEY: kind})
-        mgr.wait_until_finished()
-    path = step_dir(model_dir, step)
-    integrity.write_manifest(path, step=step, kind=kind, finite=True)
-    return path
 
 
 def read_leaves(step_path: str | Path, paths: list[tuple[str, ...]]) -> dict[tuple, np.ndarray]:
