@@ -234,6 +234,7 @@ RULES: dict[str, Rule] = {
     "partitioning.num_partitions": POSITIVE, "partitioning.num_expert_partitions": POSITIVE,
     "partitioning.model_parallel_submesh": ListOf(POSITIVE, null=True),
     "partitioning.parameter_partitioning_dims": Choice(1, 2),
+    "partitioning.activation_sharding": Choice("batch", "tensor", "sequence"),
     # checkpoint
     "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
     "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
+from capibara_exp import logical_axes as axes
 from capibara_exp.nets import splash
 from capibara_exp.nets.layers import Dense, RMSNorm, constrain, dropout, softcap
 from capibara_exp.nets.positions import rotate
@@ -91,9 +92,9 @@ class Attention(nn.Module):
         if c.position_embedding == "rope":
             inv_freq = c.rope_frequencies(self.local)
             q, k = rotate(q, positions_BxL, inv_freq), rotate(k, positions_BxL, inv_freq)
-        q = constrain(q, ("batch", "length", "heads", "kv"))
-        k = constrain(k, ("batch", "length", "kv_heads", "kv"))
-        v = constrain(v, ("batch", "length", "kv_heads", "kv"))
+        q = constrain(q, axes.QUERY)
+        k = constrain(k, axes.KEY_VALUE)
+        v = constrain(v, axes.KEY_VALUE)
         return q, k, v
 
     @nn.compact

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
+from capibara_exp import logical_axes as axes
 from capibara_exp import model_facts
 from capibara_exp.nets.attention import Attention
 from capibara_exp.nets.config import DecoderConfig as DecoderConfig
@@ -61,7 +62,7 @@ class Mlp(nn.Module):
             )
             h_BxLxF = branch if h_BxLxF is None else h_BxLxF * branch
         h_BxLxF = dropout(h_BxLxF, c.dropout_rate, enable_dropout)
-        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
+        h_BxLxF = constrain(h_BxLxF, axes.HIDDEN)
         return Dense(c.emb_dim, ("mlp", "embed"), c.compute_dtype, name="wo")(h_BxLxF)
 
 
@@ -101,7 +102,7 @@ class DecoderLayer(nn.Module):
         h = norm(c, "pre_mlp_layer_norm")(x_BxLxD)
         h = self.mlp_block(h, real_BxL, enable_dropout)
         x_BxLxD = self.residual(x_BxLxD, h, "mlp", enable_dropout)
-        return constrain(x_BxLxD, ("batch", "length", "embed"))
+        return constrain(x_BxLxD, axes.RESIDUAL)
 
 
 def decoder_mask(target_tokens_BxL, segments_BxL=None, causal_attention_BxL=None) -> jnp.ndarray:
@@ -235,7 +236,7 @@ class Decoder(nn.Module):
         x_BxLxD = embedder(decoder_input_tokens).astype(dtype)
         if c.scale_embeddings:
             x_BxLxD = x_BxLxD * jnp.asarray(c.emb_dim ** 0.5, dtype)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
+        x_BxLxD = constrain(x_BxLxD, axes.RESIDUAL)
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
         segments_BxL = splash_segments(c.attention, decoder_target_tokens, decoder_segment_ids,
                                        decoder_causal_attention)
@@ -259,4 +260,4 @@ class Decoder(nn.Module):
                 c.vocab_size, ("embed", "vocab"), jnp.float32, name="logits_dense"
             )(x_BxLxD)
         logits_BxLxV = softcap(logits_BxLxV, c.final_logit_softcap)
-        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+        return constrain(logits_BxLxV, axes.LOGITS)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from capibara_exp import logical_axes as axes
 from capibara_exp import model_facts
 from capibara_exp.nets.decoder import (
     _ACTIVATIONS,
@@ -36,7 +37,7 @@ from capibara_exp.nets.decoder import (
 )
 
 # Logical names of the expert computation; t5x.contrib.moe's rules map them to mesh axes.
-TOKENS = ("batch", "length", "embed")
+TOKENS = axes.RESIDUAL  # the residual stream, as the dense layers name it
 GROUPED = ("batch", "unmodeled", "length", "embed")
 BY_EXPERT = ("expert", "expert_replicas", "length", "embed")
 BY_EXPERT_HIDDEN = ("expert", "expert_replicas", "length", "expert_mlp")

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from capibara_exp import logical_axes as axes
+
 # Splash's query/key block: MaxText's default (sa_block_q = sa_block_kv = 512); shorter
 # sequences use one block of their own length.
 SPLASH_BLOCK = 512
@@ -55,7 +57,7 @@ def _kernel(num_heads: int, length: int, grouped: bool, cap: float | None,
 def splash_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, *, cap=None, window=None,
                      interpret: bool = False):
     """The splash kernel, causal within segments, over the current mesh (if any): batch and
-    heads split as the logical axis rules in force say ('batch', 'heads'), one kernel per
+    heads split as the logical axis rules in force say (logical_axes.py), one kernel per
     device shard (shard_map), each sequence of a shard in turn (vmap)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
@@ -77,8 +79,8 @@ def splash_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, *, cap=None,
     if jax.sharding.get_abstract_mesh().empty:
         out_BxHxLxK = local(*heads_first, segments_BxL)
     else:
-        spec = nn.logical_to_mesh_axes(("batch", "heads", "length", "kv"))
-        kv_spec = nn.logical_to_mesh_axes(("batch", "kv_heads", "length", "kv"))
+        spec = nn.logical_to_mesh_axes((axes.BATCH, axes.HEADS, axes.LENGTH, axes.KV))
+        kv_spec = nn.logical_to_mesh_axes((axes.BATCH, axes.KV_HEADS, axes.LENGTH, axes.KV))
         seq_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
         if kv_spec[1] != spec[1]:
             # Keys and values not split over the query heads' mesh axis (the rules leave

@@ -48,13 +48,17 @@ def save_hlo(out_dir: Path, cand: Candidate, text: str) -> str:
 
 def rules_for(cand: Candidate, moe: bool) -> tuple:
     """The logical axis rules the candidate's partitioner uses."""
+    from capibara_exp.logical_axes import activation_axis_rules
     from capibara_exp.runtime import moe as moe_runtime
     from capibara_exp.runtime import partitioning
 
     dims = 2 if cand.fsdp else 1
+    activations = activation_axis_rules(cand.activation_sharding, moe)
     if moe:
-        return moe_runtime.standard_logical_axis_rules(parameter_partitioning_dims=dims)
-    return partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
+        return moe_runtime.standard_logical_axis_rules(parameter_partitioning_dims=dims,
+                                                       additional_rules=activations)
+    return partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims,
+                                                    additional_rules=activations)
 
 
 class Evaluator:

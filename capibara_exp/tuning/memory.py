@@ -10,7 +10,8 @@ backward pass can be counted from the shapes alone:
 - at the start of the backward pass, the activations the remat policy saved per layer for
   one microbatch's share of a chip: `full` keeps each layer's input [B, L, D]; `dots` also
   the q/k/v projections [B, L, H, K] x 3; `none` also, with dot attention, the
-  probabilities [B, H, L, L];
+  probabilities [B, H, L, L]; the layer input is split over 'model' too when the
+  candidate's activation sharding is `tensor` or `sequence` (logical_axes.py);
 - at the update, the gradients: one per parameter, split alike.
 
 The bound is the state plus the larger of the last two. Everything else (temporaries,
@@ -97,7 +98,8 @@ def lower_bound(shapes: Shapes, cand: Candidate, rules: Sequence[tuple]) -> floa
     batch = cand.batch_size / (cand.data * cand.expert * cand.num_microbatches)
     tokens = batch * shapes.length
     heads = shapes.num_heads / cand.model
-    per_layer = tokens * shapes.emb_dim
+    residual_ways = cand.model if cand.activation_sharding in ("tensor", "sequence") else 1
+    per_layer = tokens * shapes.emb_dim / residual_ways
     if cand.remat_policy in ("dots", "none"):
         per_layer += 3 * tokens * heads * shapes.head_dim
     if cand.remat_policy == "none" and cand.attention == "dot":

@@ -120,6 +120,7 @@ def build_candidates(cfg: DictConfig, chips: int, num_slices: int = 1, local: bo
         num_microbatches=list(s.num_microbatches), remat_policies=list(s.remat_policies),
         fsdp=list(s.fsdp), per_chip_batch=list(s.per_chip_batch) if s.per_chip_batch else None,
         attentions=attentions(cfg, local), num_slices=num_slices,
+        activation_shardings=list(s.get("activation_shardings") or ["batch"]),
         model_partitions=list(s.model_partitions) if s.model_partitions else None,
         expert_partitions=list(s.expert_partitions) if s.expert_partitions else None)
     if not cands:

@@ -50,7 +50,8 @@ def _row(r: Result) -> str:
     status = "ok" if r.feasible else rec.get("reason", "")[:90].replace("|", "/")
     compile_s = "pruned" if rec.get("pruned") else f"{rec.get('compile_s', 0):.1f}"
     return (f"| {c.data} x {c.expert} x {c.model} | {c.num_microbatches} | {c.remat_policy} | "
-            f"{'yes' if c.fsdp else 'no'} | {c.attention} | {c.batch_size} | {memory} | {est} | "
+            f"{'yes' if c.fsdp else 'no'} | {c.attention} | {c.activation_sharding} | "
+            f"{c.batch_size} | {memory} | {est} | "
             f"{parts} | {mfu} | {measured} | {compile_s} | {status} |")
 
 
@@ -104,10 +105,11 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "model FLOPs / (step x peak). The compute / memory / collective columns sum each over "
         "the step (ms; collectives overlapped or not).",
         "",
-        "| mesh data x expert x model | microbatches | remat | FSDP | attention | batch | "
+        "| mesh data x expert x model | microbatches | remat | FSDP | attention | activations | "
+        "batch | "
         "GiB/chip | est. step ms | compute / memory / collective ms | est. MFU | measured ms | "
         "compile s | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[_row(r) for r in ranked],
         "",
     ]
@@ -208,7 +210,8 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
         f"{cfg.topology}:",
         f"# mesh data={cand.data} x expert={cand.expert} x model={cand.model}, "
         f"{cand.num_microbatches} microbatch(es), remat {cand.remat_policy}, "
-        f"FSDP {'on' if cand.fsdp else 'off'}, {cand.attention} attention; estimated "
+        f"FSDP {'on' if cand.fsdp else 'off'}, {cand.attention} attention, activations "
+        f"{cand.activation_sharding}; estimated "
         f"{rec['est_step_s'] * 1e3:.1f} ms/step, MFU {rec['est_mfu']:.1%}, "
         f"{rec['memory_bytes'] / GIB:.2f} GiB per chip.",
         "# Group files before experiment/ in the defaults list: the experiment must not set "
