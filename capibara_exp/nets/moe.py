@@ -310,7 +310,7 @@ class MoeDecoder(Decoder):
             raise ValueError("nets.MoeDecoder.moe_config is required (@nets.MoeConfig())")
         if not self.moe_config.is_sparse(i):
             return super().layer_spec(i, decode, prefill)
-        return (remat_layer(MoeDecoderLayer, self.config.remat_policy),
+        return (remat_layer(MoeDecoderLayer, self.config),
                 (("moe", self.moe_config), *self.layer_kwargs(i, decode, prefill)))
 
     def block_size(self) -> int:

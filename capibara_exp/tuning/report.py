@@ -196,6 +196,9 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
             "trainer": {"num_microbatches": merged.trainer.num_microbatches},
             "model": {"remat_policy": merged.model.remat_policy,
                       "attention": merged.model.attention}}
+    if merged.model.remat_policy in ("offload", "custom"):  # its per-tensor lists
+        body["model"].update({k: list(merged.model.get(k) or [])
+                              for k in ("remat_save", "remat_offload")})
     if cand.batch_size != base.data.batch_size:
         body["data"] = {"batch_size": cand.batch_size}
     rec = winner.record

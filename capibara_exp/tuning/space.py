@@ -20,7 +20,10 @@ from collections.abc import Iterable, Sequence
 from capibara_exp import meshes
 from capibara_exp.logical_axes import ACTIVATION_SHARDINGS
 
-REMAT_POLICIES = ("none", "dots", "full")
+# Searchable policies (nets/remat.py), from the most saved to the least ('custom' takes its
+# lists from the experiment and is not searched; 'offload' moves the layer inputs to host).
+REMAT_POLICIES = ("none", "dots", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
+                  "save_qkv_proj", "offload", "full")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -54,6 +57,8 @@ class Candidate:
                f"partitioning.activation_sharding={self.activation_sharding}",
                f"trainer.num_microbatches={self.num_microbatches if self.num_microbatches > 1 else 'null'}",  # noqa: E501
                f"model.remat_policy={self.remat_policy}",
+               *([] if self.remat_policy == "offload"  # its lists: the experiment's
+                 else ["model.remat_save=[]", "model.remat_offload=[]"]),
                f"model.attention={self.attention}",
                f"data.batch_size={self.batch_size}"]
         if moe:
