@@ -274,7 +274,7 @@ RULES: dict[str, Rule] = {
     "consensus.merge_report_steps": Int(0, null=True),
     "tune_mesh.search": Choice("tpe", "random", "exhaustive"),
     "tune_mesh.n_trials": POSITIVE, "tune_mesh.max_compiles": Int(1, null=True),
-    "tune_mesh.hbm_margin": Float(0.0, lt=1.0),
+    "tune_mesh.hbm_reserve_gib": Float(0.0),
     "tune_mesh.model_partitions": ListOf(POSITIVE, null=True),
     "tune_mesh.expert_partitions": ListOf(POSITIVE, null=True),
     "tune_mesh.num_microbatches": ListOf(POSITIVE),

@@ -118,10 +118,17 @@ def model_flops_per_chip(bindings: dict[str, Any], num_devices: int) -> float:
     return per_token * data.batch_size * length / num_devices
 
 
+def hbm_budget(chip: Chip, reserve_bytes: float = 0.0) -> float:
+    """Bytes a candidate's peak (XLA's memory analysis) may reach per chip: what XLA states
+    a program may use (topologies.Chip.usable_hbm_bytes) less a reserve of one's own
+    (tune_mesh.hbm_reserve_gib: buffers a run holds outside the step, measured on a slice)."""
+    return max(0.0, chip.usable_hbm_bytes - reserve_bytes)
+
+
 def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
-                 hbm_margin: float = 0.0) -> Compiled:
+                 reserve_bytes: float = 0.0) -> Compiled:
     """Compile cfg's train step for `devices`; a config the mesh cannot take, a compile that
-    runs out of HBM or a peak over (1 - hbm_margin) of the chip's HBM is infeasible."""
+    runs out of HBM or a peak over hbm_budget(chip, reserve_bytes) is infeasible."""
     import jax
 
     import gin
@@ -156,12 +163,12 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
     fields = profile_fields(text, len(devices), chip, model_flops, coords)
     result = Compiled(True, "", compile_s, compile_cpu_s, memory, model_flops,
                       float(cost.get("flops", 0.0)), {**fields, "device_coords": coords}, text)
-    budget = (1.0 - hbm_margin) * chip.hbm_bytes
+    budget = hbm_budget(chip, reserve_bytes)
     if memory > budget:
         result.feasible = False
         result.reason = (f"over HBM budget: {memory / 2**30:.2f} GiB per chip > "
-                         f"{budget / 2**30:.2f} GiB ({chip.hbm_bytes / 2**30:.0f} GiB, "
-                         f"margin {hbm_margin:.0%})")
+                         f"{budget / 2**30:.2f} GiB (XLA's {chip.usable_hbm_bytes / 2**30:.2f} "
+                         f"GiB less a reserve of {reserve_bytes / 2**30:.2f} GiB)")
     del compiled, lowered
     jax.clear_caches()
     gc.collect()

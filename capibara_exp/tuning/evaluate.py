@@ -68,7 +68,8 @@ class Evaluator:
                  out_dir: Path, settings: DictConfig, pool: Any = None):
         self.base, self.moe, self.devices, self.chip = base, moe, devices, chip
         self.out_dir, self.s, self.pool = out_dir, settings, pool
-        self.budget = (1.0 - settings.hbm_margin) * chip.hbm_bytes
+        self.reserve = settings.hbm_reserve_gib * GIB
+        self.budget = aot.hbm_budget(chip, self.reserve)
         self._shapes: memory.Shapes | None = None
 
     def shapes(self) -> memory.Shapes:
@@ -101,9 +102,9 @@ class Evaluator:
             return done(record)
         cfg = with_overrides(self.base, cand.overrides(self.moe))
         if self.pool is not None:
-            raw = self.pool.submit(cfg, self.chip, self.s.hbm_margin)
+            raw = self.pool.submit(cfg, self.chip, self.reserve)
         else:
-            compiled = aot.compile_step(cfg, self.devices, self.chip, self.s.hbm_margin)
+            compiled = aot.compile_step(cfg, self.devices, self.chip, self.reserve)
             raw = done((compiled.record(), compiled.hlo_text))
         out: concurrent.futures.Future = concurrent.futures.Future()
 
