@@ -22,7 +22,7 @@ from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning import profile
-from capibara_exp.tuning.estimate import CALIBRATED, estimate
+from capibara_exp.tuning.estimate import CALIBRATED, calibration_note, estimate
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
 # memory on HBM, the total memory required for HLO temporaries (27.11G) exceeds available
@@ -63,6 +63,7 @@ def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: flo
     return {"flops": step.flops, "hbm_bytes": step.hbm_bytes,
             "collective_bytes": step.collective_bytes,
             "profile_version": profile.PROFILE_VERSION, "step_model": step_model_id(),
+            **calibration_note(chip),
             **{f"est_{k}": v for k, v in dataclasses.asdict(est).items()}}
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
+from capibara_exp.tuning.estimate import calibration_note
 from capibara_exp.tuning.measure import spearman
 from capibara_exp.tuning.search import Result
 from capibara_exp.tuning.space import Candidate
@@ -68,6 +69,17 @@ def _measured_agreement(results: Sequence[Result]) -> dict[str, Any] | None:
             "same_best": best_est == best_got}
 
 
+def _calibration_line(summary: dict[str, Any]) -> str:
+    """Which generations the step-time constants were fitted on, their error bar, and the
+    warning for a chip of another generation."""
+    line = (f"Constants fitted on {', '.join(summary['calibrated_on'])} only (MaxText's "
+            f"published points; tuning/calibration.py); leave-one-out error bar "
+            f"+-{summary['est_error_bar']:.1%} relative.")
+    if summary["calibration_warning"]:
+        line += f" **Warning: {summary['calibration_warning']}.**"
+    return line
+
+
 def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequence[Candidate],
           results: Sequence[Result], winner: Result | None,
           replay: list[int | None] | None) -> dict[str, Any]:
@@ -84,6 +96,7 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "feasible": sum(r.feasible for r in ranked),
         "best": ({"candidate": winner.candidate.key, **winner.record} if winner else None),
         "measured_vs_estimated": agreement,
+        **calibration_note(chip),
     }
     if replay is not None:
         summary["tpe_compiles_to_optimum"] = replay
@@ -105,6 +118,8 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "model FLOPs / (step x peak). The compute / memory / collective columns sum each over "
         "the step (ms; collectives overlapped or not).",
         "",
+        _calibration_line(summary),
+        "",
         "| mesh data x expert x model | microbatches | remat | FSDP | attention | activations | "
         "batch | "
         "GiB/chip | est. step ms | compute / memory / collective ms | est. MFU | measured ms | "
@@ -114,7 +129,10 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "",
     ]
     if winner:
-        lines.append(f"Best: **{winner.candidate.key}**, estimated {winner.value:.1%} MFU.")
+        bar = summary["est_error_bar"]
+        lines.append(f"Best: **{winner.candidate.key}**, estimated {winner.value:.1%} MFU "
+                     f"({winner.value * (1 - bar):.1%}-{winner.value * (1 + bar):.1%} at the "
+                     f"calibration's +-{bar:.1%}).")
     if replay is not None:
         found = [n for n in replay if n is not None]
         lines.append(f"Exhaustive search over {len(cands)} candidates; TPE replayed on the same "
