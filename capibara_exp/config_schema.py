@@ -275,17 +275,17 @@ RULES: dict[str, Rule] = {
     "tune_mesh.search": Choice("tpe", "random", "exhaustive"),
     "tune_mesh.n_trials": POSITIVE, "tune_mesh.max_compiles": Int(1, null=True),
     "tune_mesh.hbm_reserve_gib": Float(0.0),
-    "tune_mesh.model_partitions": ListOf(POSITIVE, null=True),
-    "tune_mesh.expert_partitions": ListOf(POSITIVE, null=True),
-    "tune_mesh.num_microbatches": ListOf(POSITIVE),
-    "tune_mesh.remat_policies": ListOf(Choice("none", "dots", "full")),
-    "tune_mesh.fsdp": ListOf(Rule("bool")),
-    "tune_mesh.per_chip_batch": ListOf(POSITIVE, null=True),
+    **dict.fromkeys(("tune_mesh.model_partitions", "tune_mesh.expert_partitions",
+                     "tune_mesh.per_chip_batch"), ListOf(POSITIVE, null=True)),
+    "tune_mesh.num_microbatches": ListOf(POSITIVE), "tune_mesh.fsdp": ListOf(Rule("bool")),
+    "tune_mesh.remat_policies": ListOf(Choice(*model_facts.REMAT_POLICIES[:-1])),  # not custom
+    "tune_mesh.splash_fused_bwd": ListOf(Rule("bool"), null=True),
+    "tune_mesh.splash_blocks": ListOf(Int(128), null=True),
+    "tune_mesh.activation_shardings": ListOf(Choice("batch", "tensor", "sequence")),
     "tune_mesh.attentions": ListOf(Choice("dot", "splash"), null=True),
     "tune_mesh.compile_workers": Int(1, null=True), "tune_mesh.seed": Int(0),
     "tune_mesh.measure_steps": POSITIVE, "tune_mesh.replay_seeds": POSITIVE,
-    "tune_mesh.partitioning_name": Rule("str", null=True),
-    "tune_mesh.conf_dir": Rule("str", null=True),
+    **dict.fromkeys(("tune_mesh.partitioning_name", "tune_mesh.conf_dir"), Rule("str", null=True)),
 }
 
 # capibara-exp-merge (conf/merge.yaml) and capibara-exp-data (conf/data_build.yaml).

@@ -125,7 +125,8 @@ class Attention(nn.Module):
         if c.attention == "splash" and not (decode or prefill):
             out_BxLxHxK = splash.attention(q, k, v, segments_BxL, dot, scale=scale,
                                            cap=c.attn_logit_softcap,
-                                           window=c.sliding_window if self.local else None)
+                                           window=c.sliding_window if self.local else None,
+                                           block=c.splash_block, fused_bwd=c.splash_fused_bwd)
         else:
             out_BxLxHxK = dot(q, k, v)
         out_BxLxHK = checkpoint_name(out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (-1,)),

@@ -41,6 +41,8 @@ class DecoderConfig:
     remat_offload: tuple[str, ...] = ()
     # 'dot' | 'splash' (nets/attention.py: the Pallas splash kernel on TPU, dot elsewhere).
     attention: str = "dot"
+    splash_block: int = 512  # the splash kernel's query/key blocks (a multiple of 128)
+    splash_fused_bwd: bool = False  # the kernel's fused dq/dkv backward
     # One nn.scan over blocks of layers instead of num_layers copies: parameters stacked on
     # a leading 'layers' axis (decoder/layers/layers_<j>/...), compile time independent of
     # depth. A block is the period of the layer pattern (MoE interval, sliding-window
@@ -151,6 +153,8 @@ def _check_attention(c: DecoderConfig) -> str | None:
     if c.attention == "splash" and c.dropout_rate:
         return ("attention='splash' has no dropout on attention probabilities; set "
                 f"dropout_rate=0 (got {c.dropout_rate}) or use attention='dot'")
+    if c.splash_block % 128:
+        return f"splash_block must be a multiple of 128 (the kernel's tiles), got {c.splash_block}"
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
         value = getattr(c, name)
         if value is not None and not _positive(value):

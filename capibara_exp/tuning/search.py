@@ -93,7 +93,7 @@ class Cache:
 # sees their order (2 model partitions lie between 1 and 4; remat 'dots' between 'none'
 # and 'full'). The data axis follows from the others.
 PARTS = ("model", "expert", "num_microbatches", "remat_policy", "fsdp", "batch_size",
-         "attention", "activation_sharding")
+         "attention", "activation_sharding", "splash_block", "splash_fused_bwd")
 
 
 def _space(cands: Sequence[Candidate]) -> dict[str, list]:

@@ -37,6 +37,8 @@ class Candidate:
     batch_size: int  # global
     attention: str = "dot"  # model.attention: dot | splash (nets/attention.py)
     activation_sharding: str = "batch"  # partitioning.activation_sharding (logical_axes.py)
+    splash_block: int = 512  # model.splash_block (splash only: its kernel's blocks)
+    splash_fused_bwd: bool = False  # model.splash_fused_bwd (splash only)
 
     @property
     def mesh(self) -> str:
@@ -47,7 +49,9 @@ class Candidate:
         return (f"mesh={self.mesh} mb={self.num_microbatches} remat={self.remat_policy} "
                 f"fsdp={int(self.fsdp)} batch={self.batch_size} attn={self.attention}"
                 + ("" if self.activation_sharding == "batch"
-                   else f" act={self.activation_sharding}"))
+                   else f" act={self.activation_sharding}")
+                + (f" block={self.splash_block}{' fused' if self.splash_fused_bwd else ''}"
+                   if self.attention == "splash" else ""))
 
     def overrides(self, moe: bool) -> list[str]:
         """Hydra overrides that make the experiment this candidate."""
@@ -60,10 +64,19 @@ class Candidate:
                *([] if self.remat_policy == "offload"  # its lists: the experiment's
                  else ["model.remat_save=[]", "model.remat_offload=[]"]),
                f"model.attention={self.attention}",
+               f"model.splash_block={self.splash_block}",
+               f"model.splash_fused_bwd={str(self.splash_fused_bwd).lower()}",
                f"data.batch_size={self.batch_size}"]
         if moe:
             out.append(f"partitioning.num_expert_partitions={self.expert}")
         return out
+
+
+def _splash_choices(attention: str, blocks: Sequence[int], fused: Sequence[bool]) -> list:
+    """(block, fused backward) pairs to try: all of them for splash; for dot, whose step
+    does not read them, the first."""
+    pairs = list(itertools.product(dict.fromkeys(blocks), dict.fromkeys(fused)))
+    return pairs if attention == "splash" else pairs[:1]
 
 
 def divisors(n: int) -> list[int]:
@@ -93,6 +106,7 @@ def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: 
                fsdp: Sequence[bool] = (False,), per_chip_batch: Sequence[int] | None = None,
                attentions: Sequence[str] = ("dot",), num_slices: int = 1,
                activation_shardings: Sequence[str] = ("batch",),
+               splash_blocks: Sequence[int] = (512,), splash_fused_bwd: Sequence[bool] = (False,),
                model_partitions: Iterable[int] | None = None,
                expert_partitions: Iterable[int] | None = None) -> list[Candidate]:
     """Every valid combination; `per_chip_batch` replaces the experiment's global batch with
@@ -121,6 +135,8 @@ def candidates(chips: int, num_heads: int, num_experts: int | None, batch_size: 
                         remat_policies, fsdp, attentions, dict.fromkeys(layouts)):
                     if sharded and data == 1:
                         continue  # nothing to shard parameters over
-                    out.append(Candidate(data, expert, model, mb, policy, bool(sharded),
-                                         batch, attention, layout))
+                    out += [Candidate(data, expert, model, mb, policy, bool(sharded), batch,
+                                      attention, layout, block, fused)
+                            for block, fused in _splash_choices(attention, splash_blocks,
+                                                                splash_fused_bwd)]
     return out
