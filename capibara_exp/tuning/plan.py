@@ -37,8 +37,10 @@ def experiment_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
-    """(devices, chip figures, description) for a topology name or the local devices."""
+def target(name: str, dtype: str, libtpu_init_args: str | None = None
+           ) -> tuple[list[Any], Chip, str]:
+    """(devices, chip figures, description) for a topology name or the local devices; a
+    TPU topology's compiles run under the experiment's libtpu flags."""
     if name in LOCAL:
         import jax
 
@@ -51,7 +53,8 @@ def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
         topo = topologies.get(name)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return topology.devices(topo), topo.chip, f"{topo.name} ({topo.jax_name}, {topo.chips} chips)"
+    return (topology.devices(topo, libtpu_init_args), topo.chip,
+            f"{topo.name} ({topo.jax_name}, {topo.chips} chips)")
 
 
 def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) -> int:
@@ -202,7 +205,7 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
                           "or run on the slice itself)")
     base = experiment_config(cfg)
     moe = "num_experts" in cfg.model
-    devices, chip, where = target(cfg.topology, cfg.model.dtype)
+    devices, chip, where = target(cfg.topology, cfg.model.dtype, cfg.get("libtpu_init_args"))
     slices = 1 if cfg.topology in LOCAL else topologies.get(cfg.topology).num_slices
     cands = build_candidates(cfg, len(devices), slices, cfg.topology in LOCAL)
     logging.getLogger("capibara_exp.tune_mesh").info("%d candidates on %s", len(cands), where)
