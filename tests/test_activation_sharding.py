@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from capibara_exp import logical_axes as axes
 from capibara_exp.runtime import partitioning
+from tests.conftest import needs_libtpu
 
 LAYOUTS = axes.ACTIVATION_SHARDINGS
 RTOL = 2e-6  # tests/test_mesh.py's: float32 sums reduced in another order on each mesh
@@ -154,6 +155,35 @@ def test_residual_stream_over_the_tensor_axis_holds_less_per_device(report):
     on this small model the gathers of the length before attention cost more than that:
     bench/RESULTS.md has both figures.)"""
     assert report["tensor/2x4"]["temp_bytes"] < report["batch/2x4"]["temp_bytes"]
+
+
+# A scanned 16-layer decoder whose saved layer inputs are a large share of its peak.
+MEDIUM = ["experiment=dense_tiny_lm", "topology=v5e-4", "partitioning=fsdp",
+          "partitioning.num_partitions=2", "model.emb_dim=1024", "model.num_heads=8",
+          "model.head_dim=128", "model.mlp_dim=2048", "model.num_layers=16",
+          "model.scan_layers=true", "model.position_embedding=rope", "model.attention=splash",
+          "model.remat_policy=full", "model.dtype=bfloat16",
+          "data.task_feature_lengths={targets: 2048}", "data.batch_size=16"]
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_the_planner_compiles_fsdp_x_tensor_with_a_smaller_peak_under_tensor():
+    """The planner's own compile (aot.compile_step) of an FSDP 2 x tensor 2 candidate for
+    v5e-4: XLA's peak per chip is lower with the residual stream split over 'model'."""
+    from capibara_exp import topologies
+    from capibara_exp.tuning import aot, topology
+    from tests.conftest import compose_config
+
+    target = topologies.get("v5e-4")
+    devices = topology.devices(target)
+    peaks = {}
+    for layout in ("batch", "tensor"):
+        cfg = compose_config([*MEDIUM, f"partitioning.activation_sharding={layout}"])
+        compiled = aot.compile_step(cfg, devices, target.chip)
+        assert compiled.feasible, compiled.reason
+        peaks[layout] = compiled.memory_bytes
+    assert peaks["tensor"] < peaks["batch"]
 
 
 if __name__ == "__main__":
