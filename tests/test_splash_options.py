@@ -49,7 +49,8 @@ def test_block_sizes_are_checked_where_they_are_set():
     from capibara_exp.tuning import plan
     from tests.conftest import compose_config
 
-    with pytest.raises(ValueError, match=r"splash_block must be a multiple of 128 \(the kernel.s tiles\), got 100"):
+    with pytest.raises(ValueError, match=r"splash_block must be a multiple of 128 \(the "
+                                         r"kernel.s tiles\), got 100"):
         DecoderConfig(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, num_layers=1,
                       mlp_dim=64, splash_block=100)
     rope = ["+tune_mesh=default", "model.position_embedding=rope",
