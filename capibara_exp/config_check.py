@@ -241,6 +241,20 @@ def _rope(v: dict[str, Any]) -> Found:
     return None
 
 
+def _remat(v: dict[str, Any]) -> Found:
+    """Per-tensor remat lists belong to the policies that read them; one place a tensor."""
+    policy = v.get("model.remat_policy")
+    save, offload = v.get("model.remat_save") or [], v.get("model.remat_offload") or []
+    for key, values in (("model.remat_save", save), ("model.remat_offload", offload)):
+        if values and policy not in ("offload", "custom"):
+            return key, (f"lists tensors, which only model.remat_policy=offload or custom "
+                         f"reads (got {policy})")
+    both = sorted(set(save) & set(offload))
+    if both:
+        return "model.remat_offload", f"names {both}, also in model.remat_save"
+    return None
+
+
 def _numbers(*values: Any) -> bool:
     return all(isinstance(x, int | float) and not isinstance(x, bool) for x in values)
 
@@ -396,7 +410,8 @@ def _merge_weights(v: dict[str, Any]) -> Found:
 
 
 CROSS_RULES: dict[str, tuple[Callable[[dict[str, Any]], Found], ...]] = {
-    "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _attention_heads,
+    "config": (_periods, _microbatches, _experts, _model_parallel, _rope, _remat,
+               _attention_heads,
                _vocabulary, _initial_checkpoint, _schedule,
                _consensus, _curriculum, _lora_consensus, _infer_samples,
                _infer_checker),

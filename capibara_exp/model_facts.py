@@ -18,7 +18,31 @@ from typing import Any
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "silu", "linear")  # gelu: tanh approximation
 DTYPES = ("float32", "bfloat16")
 POSITION_EMBEDDINGS = ("relative", "rope")
-REMAT_POLICIES = ("none", "full", "dots")
+# nets/remat.py: MaxText's names; `offload` / `custom` take per-tensor lists of REMAT_NAMES
+REMAT_POLICIES = ("none", "full", "dots", "minimal", "save_dot_except_mlpwi",
+                  "save_dot_except_mlp", "save_qkv_proj", "offload", "custom")
+# the tensors the layers tag with checkpoint_name (MaxText's names)
+REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context",
+               "out_proj", "mlpwi", "mlpwo")
+_REMAT_SAVED = {
+    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+}
+REMAT_DEFAULT_OFFLOAD = ("decoder_layer_input",)  # `offload` without remat_offload
+
+
+def remat_names(policy: str, save: tuple[str, ...] = (), offload: tuple[str, ...] = ()
+                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tensors kept in HBM, tensors moved to host memory) a named policy saves (nets/remat.py);
+    empty for none / full / dots / minimal, which name no tensor."""
+    if policy in _REMAT_SAVED:
+        return _REMAT_SAVED[policy], ()
+    if policy == "offload":
+        return tuple(save), tuple(offload) or REMAT_DEFAULT_OFFLOAD
+    if policy == "custom":
+        return tuple(save), tuple(offload)
+    return (), ()
 ATTENTIONS = ("dot", "splash")
 # none | linear (positions / factor) | llama3 (Llama 3.1's banded wavelength scaling)
 ROPE_SCALINGS = ("none", "linear", "llama3")

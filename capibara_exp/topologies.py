@@ -34,6 +34,16 @@ class Chip:
     ici_bytes_per_s: float  # bidirectional, all ports of the chip together
     ici_ports: int
     dcn_bytes_per_s: float = 0.0  # each way, this chip's share of its host's NICs
+    # HBM a program may use as XLA:TPU itself states it ("exceeds available HBM (15.75G)"),
+    # probed with libtpu 0.0.42 (tests/test_tuning.py re-reads it); 0: hbm_bytes.
+    xla_hbm_bytes: float = 0.0
+    generation: str = ""  # v4 | v5e | v5p | v6e ("" off TPU)
+
+    @property
+    def usable_hbm_bytes(self) -> float:
+        """What one program may hold per chip: XLA's stated figure (the runtime's reserve
+        already taken out), else the datasheet's capacity."""
+        return self.xla_hbm_bytes or self.hbm_bytes
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -75,17 +85,17 @@ class Topology:
 
 # v5e: 197 TFLOP/s, 16 GB at 819 GB/s, ICI 400 GB/s bidirectional over 4 ports; hosts of
 # 8 chips with 2 x 100 Gbps NICs (6.4 Tbps per 256-chip pod): 25 Gbps = 3.125 GB/s a chip.
-V5E = Chip("TPU v5 lite", 197e12, 16 * GIB, 819e9, 400e9, 4, 3.125e9)
+V5E = Chip("TPU v5 lite", 197e12, 16 * GIB, 819e9, 400e9, 4, 3.125e9, 15.75 * GIB, "v5e")
 # v6e: 918 TFLOP/s, 32 GB at 1640 GB/s, ICI 800 GB/s over 4 ports; 4 x 200 Gbps NICs per
 # 8-chip host (25.6 Tbps per pod): 100 Gbps = 12.5 GB/s a chip.
-V6E = Chip("TPU v6 lite", 918e12, 32 * GIB, 1640e9, 800e9, 4, 12.5e9)
+V6E = Chip("TPU v6 lite", 918e12, 32 * GIB, 1640e9, 800e9, 4, 12.5e9, 31.25 * GIB, "v6e")
 # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, ICI 1200 GB/s over 6 ports (3D torus), DCN
 # 50 Gbps = 6.25 GB/s a chip. One JAX device per chip (its two TensorCores as one).
-V5P = Chip("TPU v5", 459e12, 95 * GIB, 2765e9, 1200e9, 6, 6.25e9)
+V5P = Chip("TPU v5", 459e12, 95 * GIB, 2765e9, 1200e9, 6, 6.25e9, 95.74 * GIB, "v5p")
 # v4: 275 TFLOP/s, 32 GiB at 1200 GB/s; JAX sees a chip as one device (megacore). ICI is
 # not in Cloud's table: taken as 6 links of 400 Gb/s (50 GB/s) each way, 600 GB/s
 # bidirectional (an assumption); DCN taken as v5p's 50 Gbps a chip (an assumption).
-V4 = Chip("TPU v4", 275e12, 32 * GIB, 1200e9, 600e9, 6, 6.25e9)
+V4 = Chip("TPU v4", 275e12, 32 * GIB, 1200e9, 600e9, 6, 6.25e9, 30.75 * GIB, "v4")
 
 # 2D generations: the Cloud slice shapes (1x1 ... 16x16; libtpu also takes 1x2, 2x8, 2x16
 # and 4x16, which Cloud does not sell). Up to 8 chips is one host; larger slices are VMs

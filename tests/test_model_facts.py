@@ -56,7 +56,12 @@ def test_the_schema_and_the_networks_check_the_lists_model_facts_owns() -> None:
     assert rules["model.rope_scaling"].choices == model_facts.ROPE_SCALINGS
     assert rules["model.mlp_activations"].item.choices == model_facts.ACTIVATIONS
     assert tuple(layers.ACTIVATIONS) == model_facts.ACTIVATIONS
-    assert tuple(decoder._REMAT) == model_facts.REMAT_POLICIES
+    from capibara_exp.nets.remat import policy_for
+
+    assert [p for p in model_facts.REMAT_POLICIES if (policy_for(p) is None) != (p == "none")
+            ] == []
     source = "\n".join(p.read_text() for p in Path(decoder.__file__).parent.glob("*.py"))
+    for name in model_facts.REMAT_NAMES:  # every tensor a policy may name is tagged
+        assert f'"{name}")' in source, name
     for listed in ('"relative", "rope"', '"dot", "splash"', '"none", "linear", "llama3"'):
         assert listed not in source, f"nets/ restates a list model_facts owns: {listed}"

@@ -280,12 +280,12 @@ def test_measured_mode_times_candidates_on_simulated_devices(tmp_path):
 
 
 def test_candidates_over_the_memory_bound_cost_no_compile(tmp_path):
-    """A budget no step fits (hbm_margin 0.9999: 1.7 KB of HBM): every candidate is ruled
-    out by tuning/memory.py's bound, recorded infeasible without compiling, and the run
-    says no candidate is feasible."""
+    """A budget no step fits (a reserve of all 15.75 GiB XLA allows on v5e): every
+    candidate is ruled out by tuning/memory.py's bound, recorded infeasible without
+    compiling, and the run says no candidate is feasible."""
     out = subprocess.run(
         [sys.executable, "-m", "capibara_exp.cli.tune_mesh", "topology=v5e-4",
-         "tune_mesh.search=exhaustive", "tune_mesh.hbm_margin=0.9999",
+         "tune_mesh.search=exhaustive", "tune_mesh.hbm_reserve_gib=15.75",
          f"tune_mesh.conf_dir={tmp_path / 'conf'}", "hydra.run.dir=plan"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -28,9 +28,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
+from capibara_exp import logical_axes as axes
 from capibara_exp.nets import splash
 from capibara_exp.nets.layers import Dense, RMSNorm, constrain, dropout, softcap
 from capibara_exp.nets.positions import rotate
+from capibara_exp.nets.remat import checkpoint_name
 
 CACHE_AXES = ("batch", "kv_heads", "kv", "length")  # of cached_key / cached_value
 
@@ -81,9 +83,9 @@ class Attention(nn.Module):
         c = self.config
         # T5 scales scores by 1/sqrt(head_dim) through the query's initialisation instead.
         t5_scale = 1.0 / c.head_dim if c.query_pre_attn_scalar is None else 1.0
-        q = self.project(x_BxLxD, "query", c.num_heads, t5_scale)
-        k = self.project(x_BxLxD, "key", c.kv_heads)
-        v = self.project(x_BxLxD, "value", c.kv_heads)
+        q = checkpoint_name(self.project(x_BxLxD, "query", c.num_heads, t5_scale), "query_proj")
+        k = checkpoint_name(self.project(x_BxLxD, "key", c.kv_heads), "key_proj")
+        v = checkpoint_name(self.project(x_BxLxD, "value", c.kv_heads), "value_proj")
         if c.qk_norm:
             norm = dict(epsilon=c.norm_epsilon, plus_one=c.norm_scale_plus_one, axis_name="kv")
             q = RMSNorm(c.compute_dtype, name="query_norm", **norm)(q)
@@ -91,9 +93,9 @@ class Attention(nn.Module):
         if c.position_embedding == "rope":
             inv_freq = c.rope_frequencies(self.local)
             q, k = rotate(q, positions_BxL, inv_freq), rotate(k, positions_BxL, inv_freq)
-        q = constrain(q, ("batch", "length", "heads", "kv"))
-        k = constrain(k, ("batch", "length", "kv_heads", "kv"))
-        v = constrain(v, ("batch", "length", "kv_heads", "kv"))
+        q = constrain(q, axes.QUERY)
+        k = constrain(k, axes.KEY_VALUE)
+        v = constrain(v, axes.KEY_VALUE)
         return q, k, v
 
     @nn.compact
@@ -123,12 +125,14 @@ class Attention(nn.Module):
         if c.attention == "splash" and not (decode or prefill):
             out_BxLxHxK = splash.attention(q, k, v, segments_BxL, dot, scale=scale,
                                            cap=c.attn_logit_softcap,
-                                           window=c.sliding_window if self.local else None)
+                                           window=c.sliding_window if self.local else None,
+                                           block=c.splash_block, fused_bwd=c.splash_fused_bwd)
         else:
             out_BxLxHxK = dot(q, k, v)
-        out_BxLxHK = out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (-1,))
-        return Dense(c.emb_dim, ("joined_kv", "embed"), c.compute_dtype, distribution="normal",
-                     name="out")(out_BxLxHK)
+        out_BxLxHK = checkpoint_name(out_BxLxHxK.reshape(out_BxLxHxK.shape[:2] + (-1,)),
+                                     "context")
+        return checkpoint_name(Dense(c.emb_dim, ("joined_kv", "embed"), c.compute_dtype,
+                                     distribution="normal", name="out")(out_BxLxHK), "out_proj")
 
     def cached(self, k_BxLxGxK, v_BxLxGxK, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL,
                step: bool, prefill: bool, prefill_lengths):

@@ -35,8 +35,14 @@ class DecoderConfig:
     rope_max_wavelength: float = 10_000.0
     logits_via_embedding: bool = False
     remat_policy: str = "none"
+    # per-tensor choices (model_facts.REMAT_NAMES) of remat_policy 'offload' / 'custom':
+    # kept in HBM, and moved to pinned host memory between the passes (nets/remat.py)
+    remat_save: tuple[str, ...] = ()
+    remat_offload: tuple[str, ...] = ()
     # 'dot' | 'splash' (nets/attention.py: the Pallas splash kernel on TPU, dot elsewhere).
     attention: str = "dot"
+    splash_block: int = 512  # the splash kernel's query/key blocks (a multiple of 128)
+    splash_fused_bwd: bool = False  # the kernel's fused dq/dkv backward
     # One nn.scan over blocks of layers instead of num_layers copies: parameters stacked on
     # a leading 'layers' axis (decoder/layers/layers_<j>/...), compile time independent of
     # depth. A block is the period of the layer pattern (MoE interval, sliding-window
@@ -69,9 +75,10 @@ class DecoderConfig:
     normalize_embedding_logits: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))  # gin/YAML lists
+        for name in ("mlp_activations", "remat_save", "remat_offload"):  # gin/YAML lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         for check in (_check_sizes, _check_choices_of, _check_attention, _check_rates,
-                      _check_rope):
+                      _check_rope, _check_remat):
             problem = check(self)
             if problem:
                 raise ValueError(f"DecoderConfig.{problem}")
@@ -146,6 +153,8 @@ def _check_attention(c: DecoderConfig) -> str | None:
     if c.attention == "splash" and c.dropout_rate:
         return ("attention='splash' has no dropout on attention probabilities; set "
                 f"dropout_rate=0 (got {c.dropout_rate}) or use attention='dot'")
+    if c.splash_block % 128:
+        return f"splash_block must be a multiple of 128 (the kernel's tiles), got {c.splash_block}"
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
         value = getattr(c, name)
         if value is not None and not _positive(value):
@@ -180,6 +189,21 @@ def _check_rope(c: DecoderConfig) -> str | None:
     if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
         return (f"rope_high_freq_factor={c.rope_high_freq_factor} must exceed "
                 f"rope_low_freq_factor={c.rope_low_freq_factor} (rope_scaling='llama3')")
+    return None
+
+
+def _check_remat(c: DecoderConfig) -> str | None:
+    for field in ("remat_save", "remat_offload"):
+        values = getattr(c, field)
+        unknown = [v for v in values if v not in model_facts.REMAT_NAMES]
+        if unknown:
+            return f"{field}: {unknown} are not among {list(model_facts.REMAT_NAMES)}"
+        if values and c.remat_policy not in ("offload", "custom"):
+            return (f"{field}={list(values)} needs remat_policy 'offload' or 'custom' "
+                    f"(got {c.remat_policy!r}, whose tensors are fixed)")
+    both = sorted(set(c.remat_save) & set(c.remat_offload))
+    if both:
+        return f"remat_save and remat_offload both name {both}: each tensor has one place"
     return None
 
 

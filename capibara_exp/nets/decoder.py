@@ -17,12 +17,11 @@ F mlp, V vocab, N relative-position buckets.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp import model_facts
+from capibara_exp import logical_axes as axes
 from capibara_exp.nets.attention import Attention
 from capibara_exp.nets.config import DecoderConfig as DecoderConfig
 
@@ -33,16 +32,9 @@ from capibara_exp.nets.layers import Embed, RMSNorm, dropout, softcap
 from capibara_exp.nets.layers import constrain as constrain
 from capibara_exp.nets.layers import param_with_axes as param_with_axes
 from capibara_exp.nets.positions import RelativePositionBias
+from capibara_exp.nets.remat import checkpoint_name
+from capibara_exp.nets.remat import remat_layer as remat_layer
 from capibara_exp.nets.splash import splash_segments
-
-# 'dots' keeps the weight matmuls' outputs (dots without batch dimensions) and recomputes
-# attention scores, which are the large [B, H, L, S] tensors.
-_REMAT = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-assert tuple(_REMAT) == model_facts.REMAT_POLICIES
 
 
 class Mlp(nn.Module):
@@ -56,13 +48,14 @@ class Mlp(nn.Module):
         h_BxLxF = None
         for i, act in enumerate(c.mlp_activations):
             name = "wi" if len(c.mlp_activations) == 1 else f"wi_{i}"
-            branch = _ACTIVATIONS[act](
-                Dense(c.mlp_dim, ("embed", "mlp"), c.compute_dtype, name=name)(x_BxLxD)
-            )
+            branch = _ACTIVATIONS[act](checkpoint_name(
+                Dense(c.mlp_dim, ("embed", "mlp"), c.compute_dtype, name=name)(x_BxLxD),
+                "mlpwi"))
             h_BxLxF = branch if h_BxLxF is None else h_BxLxF * branch
         h_BxLxF = dropout(h_BxLxF, c.dropout_rate, enable_dropout)
-        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
-        return Dense(c.emb_dim, ("mlp", "embed"), c.compute_dtype, name="wo")(h_BxLxF)
+        h_BxLxF = constrain(h_BxLxF, axes.HIDDEN)
+        return checkpoint_name(
+            Dense(c.emb_dim, ("mlp", "embed"), c.compute_dtype, name="wo")(h_BxLxF), "mlpwo")
 
 
 def norm(c: DecoderConfig, name: str) -> RMSNorm:
@@ -93,6 +86,7 @@ class DecoderLayer(nn.Module):
         """segments_BxL: what attention='splash' masks by (nets.splash.segments_for_splash);
         real_BxL: non-padding positions (a MoE block routes only those)."""
         c = self.config
+        x_BxLxD = checkpoint_name(x_BxLxD, "decoder_layer_input")
         h = norm(c, "pre_self_attention_layer_norm")(x_BxLxD)
         h = Attention(c, self.local, name="self_attention")(
             h, mask_Bx1xLxS, bias_BxHxLxS, positions_BxL, enable_dropout, segments_BxL,
@@ -101,7 +95,7 @@ class DecoderLayer(nn.Module):
         h = norm(c, "pre_mlp_layer_norm")(x_BxLxD)
         h = self.mlp_block(h, real_BxL, enable_dropout)
         x_BxLxD = self.residual(x_BxLxD, h, "mlp", enable_dropout)
-        return constrain(x_BxLxD, ("batch", "length", "embed"))
+        return constrain(x_BxLxD, axes.RESIDUAL)
 
 
 def decoder_mask(target_tokens_BxL, segments_BxL=None, causal_attention_BxL=None) -> jnp.ndarray:
@@ -117,14 +111,6 @@ def decoder_mask(target_tokens_BxL, segments_BxL=None, causal_attention_BxL=None
     if segments_BxL is not None:
         mask_BxLxS = mask_BxLxS & (segments_BxL[:, :, None] == segments_BxL[:, None, :])
     return mask_BxLxS[:, None]
-
-
-def remat_layer(layer_cls: type[nn.Module], policy: str) -> type[nn.Module]:
-    """A layer class rematerialised by a named policy (the class itself for 'none')."""
-    if _REMAT[policy] is None:
-        return layer_cls
-    # Argument 0 is the module itself, so 5 is `enable_dropout`, a Python bool.
-    return nn.remat(layer_cls, policy=_REMAT[policy], prevent_cse=True, static_argnums=(5,))
 
 
 # A layer class and its extra constructor arguments (hashable: module attributes).
@@ -161,7 +147,7 @@ class Decoder(nn.Module):
 
     def layer_spec(self, i: int, decode: bool = False, prefill: bool = False) -> LayerSpec:
         """Layer i's class and arguments (a hook: nets.MoeDecoder makes some layers sparse)."""
-        return remat_layer(DecoderLayer, self.config.remat_policy), self.layer_kwargs(
+        return remat_layer(DecoderLayer, self.config), self.layer_kwargs(
             i, decode, prefill)
 
     def layer_kwargs(self, i: int, decode: bool, prefill: bool) -> tuple:
@@ -235,7 +221,7 @@ class Decoder(nn.Module):
         x_BxLxD = embedder(decoder_input_tokens).astype(dtype)
         if c.scale_embeddings:
             x_BxLxD = x_BxLxD * jnp.asarray(c.emb_dim ** 0.5, dtype)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "embed"))
+        x_BxLxD = constrain(x_BxLxD, axes.RESIDUAL)
         x_BxLxD = dropout(x_BxLxD, c.dropout_rate, enable_dropout, "input_dropout")
         segments_BxL = splash_segments(c.attention, decoder_target_tokens, decoder_segment_ids,
                                        decoder_causal_attention)
@@ -259,4 +245,4 @@ class Decoder(nn.Module):
                 c.vocab_size, ("embed", "vocab"), jnp.float32, name="logits_dense"
             )(x_BxLxD)
         logits_BxLxV = softcap(logits_BxLxV, c.final_logit_softcap)
-        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+        return constrain(logits_BxLxV, axes.LOGITS)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from capibara_exp import logical_axes as axes
 from capibara_exp import model_facts
 from capibara_exp.nets.decoder import (
     _ACTIVATIONS,
@@ -36,7 +37,7 @@ from capibara_exp.nets.decoder import (
 )
 
 # Logical names of the expert computation; t5x.contrib.moe's rules map them to mesh axes.
-TOKENS = ("batch", "length", "embed")
+TOKENS = axes.RESIDUAL  # the residual stream, as the dense layers name it
 GROUPED = ("batch", "unmodeled", "length", "embed")
 BY_EXPERT = ("expert", "expert_replicas", "length", "embed")
 BY_EXPERT_HIDDEN = ("expert", "expert_replicas", "length", "expert_mlp")
@@ -309,7 +310,7 @@ class MoeDecoder(Decoder):
             raise ValueError("nets.MoeDecoder.moe_config is required (@nets.MoeConfig())")
         if not self.moe_config.is_sparse(i):
             return super().layer_spec(i, decode, prefill)
-        return (remat_layer(MoeDecoderLayer, self.config.remat_policy),
+        return (remat_layer(MoeDecoderLayer, self.config),
                 (("moe", self.moe_config), *self.layer_kwargs(i, decode, prefill)))
 
     def block_size(self) -> int:

@@ -18,51 +18,56 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from capibara_exp import logical_axes as axes
+
 # Splash's query/key block: MaxText's default (sa_block_q = sa_block_kv = 512); shorter
-# sequences use one block of their own length.
+# sequences use one block of their own length. DecoderConfig.splash_block sets another
+# (MaxText's Llama recipes use 2048), splash_fused_bwd the kernel's fused dq/dkv backward.
 SPLASH_BLOCK = 512
 
 
-def splash_block(length: int) -> int:
+def splash_block(length: int, block: int = SPLASH_BLOCK) -> int:
     """The kernel's query and key block for a sequence length; an error if none fits."""
-    block = min(SPLASH_BLOCK, length)
+    block = min(block, length)
     if length % block or block % 128:
         raise ValueError(
             f"DecoderConfig.attention='splash': sequence length {length} must be a multiple of "
-            f"128, and of {SPLASH_BLOCK} when longer (the kernel's blocks); use attention='dot' "
-            "or pad the sequences (data.task_feature_lengths)")
+            f"128, and of the block ({block}, model.splash_block) when longer; use "
+            "attention='dot' or pad the sequences (data.task_feature_lengths)")
     return block
 
 
 def _kernel(num_heads: int, length: int, grouped: bool, cap: float | None,
-            window: int | None, interpret: bool):
+            window: int | None, interpret: bool, block: int = SPLASH_BLOCK,
+            fused_bwd: bool = False):
     """A causal (or local) splash kernel for `num_heads` query heads of `length`. Made inside
     each trace (its mask tables become that trace's constants)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    block = splash_block(length)
+    block = splash_block(length, block)
     one = (splash.CausalMask((length, length)) if window is None else
            splash.LocalMask((length, length), window_size=(window - 1, 0), offset=0))
     mask = splash.MultiHeadMask([one] * num_heads)
+    dq = {} if fused_bwd else {"block_q_dq": block, "block_kv_dq": block}
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                               block_q_dkv=block, block_kv_dkv=block,
-                              block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+                              block_kv_dkv_compute=block, use_fused_bwd_kernel=fused_bwd, **dq)
     make = splash.make_splash_mqa if grouped else splash.make_splash_mha
     return make(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
                 attn_logits_soft_cap=cap, interpret=interpret)
 
 
 def splash_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, *, cap=None, window=None,
-                     interpret: bool = False):
+                     interpret: bool = False, block: int = SPLASH_BLOCK, fused_bwd: bool = False):
     """The splash kernel, causal within segments, over the current mesh (if any): batch and
-    heads split as the logical axis rules in force say ('batch', 'heads'), one kernel per
+    heads split as the logical axis rules in force say (logical_axes.py), one kernel per
     device shard (shard_map), each sequence of a shard in turn (vmap)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     def local(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, seg_BxL):
         h, g = q_BxHxLxK.shape[1], k_BxGxSxK.shape[1]
         kernel = _kernel(h // g if g < h else h, q_BxHxLxK.shape[2], g < h, cap, window,
-                         interpret)
+                         interpret, block, fused_bwd)
         segments = SegmentIds(seg_BxL, seg_BxL)
         if g == h:
             return jax.vmap(kernel)(q_BxHxLxK, k_BxGxSxK, v_BxGxSxK, segments)
@@ -77,8 +82,8 @@ def splash_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, *, cap=None,
     if jax.sharding.get_abstract_mesh().empty:
         out_BxHxLxK = local(*heads_first, segments_BxL)
     else:
-        spec = nn.logical_to_mesh_axes(("batch", "heads", "length", "kv"))
-        kv_spec = nn.logical_to_mesh_axes(("batch", "kv_heads", "length", "kv"))
+        spec = nn.logical_to_mesh_axes((axes.BATCH, axes.HEADS, axes.LENGTH, axes.KV))
+        kv_spec = nn.logical_to_mesh_axes((axes.BATCH, axes.KV_HEADS, axes.LENGTH, axes.KV))
         seq_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
         if kv_spec[1] != spec[1]:
             # Keys and values not split over the query heads' mesh axis (the rules leave
@@ -114,17 +119,18 @@ def splash_segments(attention: str, target_tokens_BxL, segments_BxL=None,
 
 
 def attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, dot, *, scale=None, cap=None,
-              window=None):
+              window=None, block: int = SPLASH_BLOCK, fused_bwd: bool = False):
     """Splash when lowered for a TPU, `dot(q, k, v)` elsewhere; the kernel does not scale
     scores, so the queries are scaled first."""
     if segments_BxL is None:
         raise ValueError("DecoderConfig.attention='splash' needs the segment ids the "
                          "decoder derives from the target tokens")
-    splash_block(q_BxLxHxK.shape[1])  # a length the kernel cannot take fails everywhere
+    splash_block(q_BxLxHxK.shape[1], block)  # a length the kernel cannot take fails anywhere
 
     def tpu(q, k, v):
         if scale is not None:
             q = (q * scale).astype(q.dtype)
-        return splash_attention(q, k, v, segments_BxL, cap=cap, window=window)
+        return splash_attention(q, k, v, segments_BxL, cap=cap, window=window, block=block,
+                                fused_bwd=fused_bwd)
 
     return jax.lax.platform_dependent(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tpu=tpu, default=dot)

@@ -193,6 +193,7 @@ class MoePjitPartitioner(partitioning.PjitPartitioner):
     """
 
     batch_axes = ("expert", "data")
+    moe_rules = True
 
     def __init__(self, num_expert_partitions: int, num_partitions: int | None = None,
                  model_parallel_submesh: Sequence[int] | None = None,

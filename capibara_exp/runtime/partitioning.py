@@ -20,6 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from capibara_exp import logical_axes as axes
 from capibara_exp import meshes
 from capibara_exp.runtime.config import reject_unsupported
 
@@ -96,6 +97,15 @@ def standard_logical_axis_rules(
     return tuple(rules)
 
 
+def with_activation_rules(rules: LogicalRules, moe: bool = False) -> tuple:
+    """`rules` and, after them, the default activation rules (logical_axes.py, `batch`) for
+    every activation name they leave out: flax gives an unnamed activation no sharding at
+    all, so rules written before activations had names of their own still split the batch."""
+    named = {name for name, _ in rules}
+    return tuple(rules) + tuple(rule for rule in axes.activation_axis_rules("batch", moe)
+                                if rule[0] not in named)
+
+
 def model_partitions(num_partitions: int | None,
                      model_parallel_submesh: Sequence[int] | None) -> int:
     """The size of the model axis from T5X's two mutually exclusive ways to give it."""
@@ -130,13 +140,15 @@ class PjitPartitioner:
         devices = mesh_devices()
         self.num_slices = num_slices(devices)
         self.mesh = device_mesh(self.mesh_shape(len(devices)), devices)
-        self.logical_axis_rules = tuple(logical_axis_rules or standard_logical_axis_rules())
+        self.logical_axis_rules = with_activation_rules(
+            logical_axis_rules or standard_logical_axis_rules(), moe=self.moe_rules)
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
         """Mesh axis -> size for a device count (the mesh rule, capibara_exp/meshes.py)."""
         return meshes.mesh_axes(num_devices, self.num_model_partitions,
                                 num_slices=self.num_slices)
 
+    moe_rules = False  # the default activation rules split the batch over (expert, data)
     # Mesh axes the batch dimension is split over (T5X: data_partition_spec).
     batch_axes: tuple[str, ...] = ("data",)
 

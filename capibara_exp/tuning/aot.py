@@ -22,7 +22,7 @@ from capibara_exp.errors import ConfigError
 from capibara_exp.paths import GIN_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning import profile
-from capibara_exp.tuning.estimate import CALIBRATED, estimate
+from capibara_exp.tuning.estimate import CALIBRATED, calibration_note, estimate
 
 # XLA:TPU refuses a program over HBM at compile time, saying what it needed: "Ran out of
 # memory on HBM, the total memory required for HLO temporaries (27.11G) exceeds available
@@ -63,6 +63,7 @@ def profile_fields(hlo_text: str, num_devices: int, chip: Chip, model_flops: flo
     return {"flops": step.flops, "hbm_bytes": step.hbm_bytes,
             "collective_bytes": step.collective_bytes,
             "profile_version": profile.PROFILE_VERSION, "step_model": step_model_id(),
+            **calibration_note(chip),
             **{f"est_{k}": v for k, v in dataclasses.asdict(est).items()}}
 
 
@@ -118,10 +119,17 @@ def model_flops_per_chip(bindings: dict[str, Any], num_devices: int) -> float:
     return per_token * data.batch_size * length / num_devices
 
 
+def hbm_budget(chip: Chip, reserve_bytes: float = 0.0) -> float:
+    """Bytes a candidate's peak (XLA's memory analysis) may reach per chip: what XLA states
+    a program may use (topologies.Chip.usable_hbm_bytes) less a reserve of one's own
+    (tune_mesh.hbm_reserve_gib: buffers a run holds outside the step, measured on a slice)."""
+    return max(0.0, chip.usable_hbm_bytes - reserve_bytes)
+
+
 def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
-                 hbm_margin: float = 0.0) -> Compiled:
+                 reserve_bytes: float = 0.0) -> Compiled:
     """Compile cfg's train step for `devices`; a config the mesh cannot take, a compile that
-    runs out of HBM or a peak over (1 - hbm_margin) of the chip's HBM is infeasible."""
+    runs out of HBM or a peak over hbm_budget(chip, reserve_bytes) is infeasible."""
     import jax
 
     import gin
@@ -156,12 +164,12 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
     fields = profile_fields(text, len(devices), chip, model_flops, coords)
     result = Compiled(True, "", compile_s, compile_cpu_s, memory, model_flops,
                       float(cost.get("flops", 0.0)), {**fields, "device_coords": coords}, text)
-    budget = (1.0 - hbm_margin) * chip.hbm_bytes
+    budget = hbm_budget(chip, reserve_bytes)
     if memory > budget:
         result.feasible = False
         result.reason = (f"over HBM budget: {memory / 2**30:.2f} GiB per chip > "
-                         f"{budget / 2**30:.2f} GiB ({chip.hbm_bytes / 2**30:.0f} GiB, "
-                         f"margin {hbm_margin:.0%})")
+                         f"{budget / 2**30:.2f} GiB (XLA's {chip.usable_hbm_bytes / 2**30:.2f} "
+                         f"GiB less a reserve of {reserve_bytes / 2**30:.2f} GiB)")
     del compiled, lowered
     jax.clear_caches()
     gc.collect()

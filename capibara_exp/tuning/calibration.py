@@ -141,6 +141,7 @@ _NEUTRAL_OPTIONS: dict[str, Any] = {
     "final_logit_softcap": None, "sliding_window": None, "sliding_window_pattern": None,
     "norm_epsilon": 1e-6, "norm_scale_plus_one": False, "norm_placement": "pre",
     "scale_embeddings": False, "normalize_embedding_logits": True,
+    "remat_save": [], "remat_offload": [], "splash_block": 512, "splash_fused_bwd": False,
 }
 
 
@@ -156,6 +157,9 @@ def fingerprint(cfg: Any) -> str:
              for k in keys}
     plain["model"] = {k: v for k, v in plain["model"].items()
                       if k not in _NEUTRAL_OPTIONS or _NEUTRAL_OPTIONS[k] != v}
+    part = plain["partitioning"]
+    if part.get("activation_sharding") == "batch" or part.get("num_partitions") == 1:
+        part.pop("activation_sharding", None)  # without a model axis every layout is batch's
     plain["data"] = {"batch_size": cfg.data.batch_size,
                      "lengths": OmegaConf.to_container(cfg.data.task_feature_lengths)}
     plain["trainer"] = {"num_microbatches": cfg.trainer.num_microbatches}

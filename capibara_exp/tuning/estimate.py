@@ -54,6 +54,26 @@ DATASHEET = StepModel()
 # The others stay at the datasheet: HBM and ICI at their published bandwidth.
 FITTED = {"mxu_efficiency": 0.890, "collective_overlap": 0.473}
 CALIBRATED = dataclasses.replace(DATASHEET, **FITTED)
+# Where FITTED comes from, and how far to trust it: the generations of its calibration points
+# (v5e only; published results on other generations are checked, never fitted) and the
+# worst leave-one-out error of those points, relative (tests/test_step_model.py recomputes
+# it). Per-generation physics (peak, HBM, ICI, DCN) come from the datasheets in
+# capibara_exp/topologies.py; only the efficiencies are fitted.
+CALIBRATED_ON = ("v5e",)
+LEAVE_ONE_OUT_ERROR = 0.056
+
+
+def calibration_note(chip: Chip) -> dict[str, Any]:
+    """What an estimate for `chip` states about its constants: the generations they were
+    fitted on, the leave-one-out error bar, and a warning for a generation without a
+    calibration point (its HBM bandwidth per FLOP, for one, differs from v5e's)."""
+    warning = ""
+    if chip.generation not in CALIBRATED_ON:
+        warning = (f"{chip.generation or chip.kind} has no calibration point: the efficiencies "
+                   f"were fitted on {', '.join(CALIBRATED_ON)} only, so the error bar "
+                   f"(+-{LEAVE_ONE_OUT_ERROR:.1%}) is not known to hold")
+    return {"calibrated_on": list(CALIBRATED_ON), "est_error_bar": LEAVE_ONE_OUT_ERROR,
+            "calibration_warning": warning}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,13 +48,17 @@ def save_hlo(out_dir: Path, cand: Candidate, text: str) -> str:
 
 def rules_for(cand: Candidate, moe: bool) -> tuple:
     """The logical axis rules the candidate's partitioner uses."""
+    from capibara_exp.logical_axes import activation_axis_rules
     from capibara_exp.runtime import moe as moe_runtime
     from capibara_exp.runtime import partitioning
 
     dims = 2 if cand.fsdp else 1
+    activations = activation_axis_rules(cand.activation_sharding, moe)
     if moe:
-        return moe_runtime.standard_logical_axis_rules(parameter_partitioning_dims=dims)
-    return partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
+        return moe_runtime.standard_logical_axis_rules(parameter_partitioning_dims=dims,
+                                                       additional_rules=activations)
+    return partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims,
+                                                    additional_rules=activations)
 
 
 class Evaluator:
@@ -64,7 +68,8 @@ class Evaluator:
                  out_dir: Path, settings: DictConfig, pool: Any = None):
         self.base, self.moe, self.devices, self.chip = base, moe, devices, chip
         self.out_dir, self.s, self.pool = out_dir, settings, pool
-        self.budget = (1.0 - settings.hbm_margin) * chip.hbm_bytes
+        self.reserve = settings.hbm_reserve_gib * GIB
+        self.budget = aot.hbm_budget(chip, self.reserve)
         self._shapes: memory.Shapes | None = None
 
     def shapes(self) -> memory.Shapes:
@@ -97,9 +102,9 @@ class Evaluator:
             return done(record)
         cfg = with_overrides(self.base, cand.overrides(self.moe))
         if self.pool is not None:
-            raw = self.pool.submit(cfg, self.chip, self.s.hbm_margin)
+            raw = self.pool.submit(cfg, self.chip, self.reserve)
         else:
-            compiled = aot.compile_step(cfg, self.devices, self.chip, self.s.hbm_margin)
+            compiled = aot.compile_step(cfg, self.devices, self.chip, self.reserve)
             raw = done((compiled.record(), compiled.hlo_text))
         out: concurrent.futures.Future = concurrent.futures.Future()
 

@@ -10,7 +10,8 @@ backward pass can be counted from the shapes alone:
 - at the start of the backward pass, the activations the remat policy saved per layer for
   one microbatch's share of a chip: `full` keeps each layer's input [B, L, D]; `dots` also
   the q/k/v projections [B, L, H, K] x 3; `none` also, with dot attention, the
-  probabilities [B, H, L, L];
+  probabilities [B, H, L, L]; the layer input is split over 'model' too when the
+  candidate's activation sharding is `tensor` or `sequence` (logical_axes.py);
 - at the update, the gradients: one per parameter, split alike.
 
 The bound is the state plus the larger of the last two. Everything else (temporaries,
@@ -25,6 +26,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from capibara_exp import model_facts
 from capibara_exp.tuning.space import Candidate
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -42,6 +44,12 @@ class Shapes:
     head_dim: int
     length: int
     dtype_bytes: int
+    kv_heads: int = 0  # 0: num_heads
+    mlp_dim: int = 0
+    mlp_inputs: int = 1  # input projections of the MLP (2 when gated)
+    # the experiment's per-tensor lists (model.remat_save / remat_offload)
+    remat_save: tuple[str, ...] = ()
+    remat_offload: tuple[str, ...] = ()
 
 
 def shapes_of(bindings: dict[str, Any], model_cfg: Any) -> Shapes:
@@ -63,7 +71,11 @@ def shapes_of(bindings: dict[str, Any], model_cfg: Any) -> Shapes:
             names = tuple(spec) if len(spec) == len(leaf.shape) else (None,) * len(leaf.shape)
             leaves.append((tuple(leaf.shape), names, leaf.dtype.itemsize, is_param))
     return Shapes(tuple(leaves), model_cfg.num_layers, model_cfg.emb_dim, model_cfg.num_heads,
-                  model_cfg.head_dim, length, _DTYPE_BYTES.get(model_cfg.dtype, 4))
+                  model_cfg.head_dim, length, _DTYPE_BYTES.get(model_cfg.dtype, 4),
+                  model_cfg.get("num_kv_heads") or model_cfg.num_heads, model_cfg.mlp_dim,
+                  len(model_cfg.get("mlp_activations") or [None]),
+                  tuple(model_cfg.get("remat_save") or ()),
+                  tuple(model_cfg.get("remat_offload") or ()))
 
 
 def _ways(shape: Sequence[int], names: Sequence[str | None], rules: Sequence[tuple],
@@ -87,6 +99,23 @@ def _ways(shape: Sequence[int], names: Sequence[str | None], rules: Sequence[tup
     return ways
 
 
+def saved_per_token(shapes: Shapes, cand: Candidate) -> float:
+    """Elements per token per chip a layer keeps in HBM for the backward pass under the
+    candidate's remat policy, of the tensors the policy names (model_facts.remat_names),
+    the layer input included unless it goes to host memory. The MLP's output is left out:
+    only the residual add reads it, whose gradient does not (tests/test_remat.py)."""
+    residual = shapes.emb_dim / (cand.model if cand.activation_sharding in ("tensor",
+                                                                            "sequence") else 1)
+    heads = shapes.num_heads * shapes.head_dim / cand.model
+    kv = (shapes.kv_heads or shapes.num_heads) * shapes.head_dim / cand.model
+    size = {"query_proj": heads, "context": heads, "key_proj": kv, "value_proj": kv,
+            "out_proj": residual, "mlpwi": shapes.mlp_inputs * shapes.mlp_dim / cand.model}
+    kept, moved = model_facts.remat_names(cand.remat_policy, shapes.remat_save,
+                                          shapes.remat_offload)
+    inputs = 0.0 if "decoder_layer_input" in moved else residual
+    return inputs + sum(size.get(name, 0.0) for name in kept)
+
+
 def lower_bound(shapes: Shapes, cand: Candidate, rules: Sequence[tuple]) -> float:
     """Bytes per chip the candidate's step must hold at least (see the module doc)."""
     mesh = {"data": cand.data, "expert": cand.expert, "model": cand.model}
@@ -97,9 +126,10 @@ def lower_bound(shapes: Shapes, cand: Candidate, rules: Sequence[tuple]) -> floa
     batch = cand.batch_size / (cand.data * cand.expert * cand.num_microbatches)
     tokens = batch * shapes.length
     heads = shapes.num_heads / cand.model
-    per_layer = tokens * shapes.emb_dim
-    if cand.remat_policy in ("dots", "none"):
-        per_layer += 3 * tokens * heads * shapes.head_dim
+    per_layer = tokens * saved_per_token(shapes, cand)
+    if cand.remat_policy in ("dots", "minimal", "none"):
+        kv = (shapes.kv_heads or shapes.num_heads) / cand.model
+        per_layer += tokens * (heads + 2 * kv) * shapes.head_dim
     if cand.remat_policy == "none" and cand.attention == "dot":
         per_layer += batch * heads * shapes.length * shapes.length
     return state + max(grads, shapes.layers * per_layer * shapes.dtype_bytes)

@@ -37,8 +37,10 @@ def experiment_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
-    """(devices, chip figures, description) for a topology name or the local devices."""
+def target(name: str, dtype: str, libtpu_init_args: str | None = None
+           ) -> tuple[list[Any], Chip, str]:
+    """(devices, chip figures, description) for a topology name or the local devices; a
+    TPU topology's compiles run under the experiment's libtpu flags."""
     if name in LOCAL:
         import jax
 
@@ -51,7 +53,8 @@ def target(name: str, dtype: str) -> tuple[list[Any], Chip, str]:
         topo = topologies.get(name)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return topology.devices(topo), topo.chip, f"{topo.name} ({topo.jax_name}, {topo.chips} chips)"
+    return (topology.devices(topo, libtpu_init_args), topo.chip,
+            f"{topo.name} ({topo.jax_name}, {topo.chips} chips)")
 
 
 def reprofile(cache: search.Cache, out_dir: Path, num_devices: int, chip: Chip) -> int:
@@ -96,7 +99,7 @@ def attentions(cfg: DictConfig, local: bool) -> list[str]:
     if model.dropout_rate:
         why.append(f"model.dropout_rate={model.dropout_rate} (needs 0)")
     try:
-        splash_block(length)
+        splash_block(length, model.get("splash_block", 512))
     except ValueError:
         why.append(f"sequence length {length} (needs a multiple of 128, of 512 above 512)")
     listed = cfg.tune_mesh.get("attentions")
@@ -111,6 +114,23 @@ def attentions(cfg: DictConfig, local: bool) -> list[str]:
     return list(listed)
 
 
+def splash_choices(cfg: DictConfig) -> dict[str, list]:
+    """tune_mesh.splash_blocks / splash_fused_bwd (null: the model's own); a block the
+    sequence length cannot take is an error naming the key."""
+    from capibara_exp.nets.splash import splash_block
+
+    s, model = cfg.tune_mesh, cfg.model
+    blocks = list(s.get("splash_blocks") or [model.get("splash_block", 512)])
+    fused = list(s.get("splash_fused_bwd") or [bool(model.get("splash_fused_bwd", False))])
+    length = max(cfg.data.task_feature_lengths.values())
+    for block in blocks:
+        try:
+            splash_block(length, block)
+        except ValueError as err:
+            raise ConfigError(f"tune_mesh.splash_blocks: {block}: {err}") from err
+    return {"splash_blocks": blocks, "splash_fused_bwd": fused}
+
+
 def build_candidates(cfg: DictConfig, chips: int, num_slices: int = 1, local: bool = False
                      ) -> list[space.Candidate]:
     s = cfg.tune_mesh
@@ -120,6 +140,8 @@ def build_candidates(cfg: DictConfig, chips: int, num_slices: int = 1, local: bo
         num_microbatches=list(s.num_microbatches), remat_policies=list(s.remat_policies),
         fsdp=list(s.fsdp), per_chip_batch=list(s.per_chip_batch) if s.per_chip_batch else None,
         attentions=attentions(cfg, local), num_slices=num_slices,
+        activation_shardings=list(s.get("activation_shardings") or ["batch"]),
+        **splash_choices(cfg),
         model_partitions=list(s.model_partitions) if s.model_partitions else None,
         expert_partitions=list(s.expert_partitions) if s.expert_partitions else None)
     if not cands:
@@ -183,7 +205,7 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
                           "or run on the slice itself)")
     base = experiment_config(cfg)
     moe = "num_experts" in cfg.model
-    devices, chip, where = target(cfg.topology, cfg.model.dtype)
+    devices, chip, where = target(cfg.topology, cfg.model.dtype, cfg.get("libtpu_init_args"))
     slices = 1 if cfg.topology in LOCAL else topologies.get(cfg.topology).num_slices
     cands = build_candidates(cfg, len(devices), slices, cfg.topology in LOCAL)
     logging.getLogger("capibara_exp.tune_mesh").info("%d candidates on %s", len(cands), where)

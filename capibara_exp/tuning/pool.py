@@ -48,11 +48,11 @@ def _init(topology_name: str) -> None:
     _DEVICES[:] = topology.devices(topologies.get(topology_name))
 
 
-def _compile(plain_cfg: dict, chip: Any, hbm_margin: float) -> tuple[dict[str, Any], str]:
+def _compile(plain_cfg: dict, chip: Any, reserve_bytes: float) -> tuple[dict[str, Any], str]:
     from capibara_exp.tuning import aot
 
     cfg = OmegaConf.create(plain_cfg)
-    compiled = aot.compile_step(cfg, _DEVICES, chip, hbm_margin)
+    compiled = aot.compile_step(cfg, _DEVICES, chip, reserve_bytes)
     return compiled.record(), compiled.hlo_text
 
 
@@ -71,8 +71,8 @@ class CompilePool:
     def __exit__(self, *exc: Any) -> None:
         self.executor.shutdown(cancel_futures=True)
 
-    def submit(self, cfg: DictConfig, chip: Any, hbm_margin: float
+    def submit(self, cfg: DictConfig, chip: Any, reserve_bytes: float
                ) -> concurrent.futures.Future:
         """Compile a config on the next free worker: a future of (record, HLO text)."""
         plain = OmegaConf.to_container(cfg, resolve=True)
-        return self.executor.submit(_compile, plain, chip, hbm_margin)
+        return self.executor.submit(_compile, plain, chip, reserve_bytes)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
+from capibara_exp.tuning.estimate import calibration_note
 from capibara_exp.tuning.measure import spearman
 from capibara_exp.tuning.search import Result
 from capibara_exp.tuning.space import Candidate
@@ -50,7 +51,8 @@ def _row(r: Result) -> str:
     status = "ok" if r.feasible else rec.get("reason", "")[:90].replace("|", "/")
     compile_s = "pruned" if rec.get("pruned") else f"{rec.get('compile_s', 0):.1f}"
     return (f"| {c.data} x {c.expert} x {c.model} | {c.num_microbatches} | {c.remat_policy} | "
-            f"{'yes' if c.fsdp else 'no'} | {c.attention} | {c.batch_size} | {memory} | {est} | "
+            f"{'yes' if c.fsdp else 'no'} | {c.attention} | {c.activation_sharding} | "
+            f"{c.batch_size} | {memory} | {est} | "
             f"{parts} | {mfu} | {measured} | {compile_s} | {status} |")
 
 
@@ -65,6 +67,17 @@ def _measured_agreement(results: Sequence[Result]) -> dict[str, Any] | None:
     return {"candidates": len(timed), "spearman": spearman(est, got),
             "best_by_estimate": best_est, "best_measured": best_got,
             "same_best": best_est == best_got}
+
+
+def _calibration_line(summary: dict[str, Any]) -> str:
+    """Which generations the step-time constants were fitted on, their error bar, and the
+    warning for a chip of another generation."""
+    line = (f"Constants fitted on {', '.join(summary['calibrated_on'])} only (MaxText's "
+            f"published points; tuning/calibration.py); leave-one-out error bar "
+            f"+-{summary['est_error_bar']:.1%} relative.")
+    if summary["calibration_warning"]:
+        line += f" **Warning: {summary['calibration_warning']}.**"
+    return line
 
 
 def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequence[Candidate],
@@ -83,6 +96,7 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "feasible": sum(r.feasible for r in ranked),
         "best": ({"candidate": winner.candidate.key, **winner.record} if winner else None),
         "measured_vs_estimated": agreement,
+        **calibration_note(chip),
     }
     if replay is not None:
         summary["tpe_compiles_to_optimum"] = replay
@@ -104,15 +118,21 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
         "model FLOPs / (step x peak). The compute / memory / collective columns sum each over "
         "the step (ms; collectives overlapped or not).",
         "",
-        "| mesh data x expert x model | microbatches | remat | FSDP | attention | batch | "
+        _calibration_line(summary),
+        "",
+        "| mesh data x expert x model | microbatches | remat | FSDP | attention | activations | "
+        "batch | "
         "GiB/chip | est. step ms | compute / memory / collective ms | est. MFU | measured ms | "
         "compile s | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[_row(r) for r in ranked],
         "",
     ]
     if winner:
-        lines.append(f"Best: **{winner.candidate.key}**, estimated {winner.value:.1%} MFU.")
+        bar = summary["est_error_bar"]
+        lines.append(f"Best: **{winner.candidate.key}**, estimated {winner.value:.1%} MFU "
+                     f"({winner.value * (1 - bar):.1%}-{winner.value * (1 + bar):.1%} at the "
+                     f"calibration's +-{bar:.1%}).")
     if replay is not None:
         found = [n for n in replay if n is not None]
         lines.append(f"Exhaustive search over {len(cands)} candidates; TPE replayed on the same "
@@ -194,6 +214,9 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
             "trainer": {"num_microbatches": merged.trainer.num_microbatches},
             "model": {"remat_policy": merged.model.remat_policy,
                       "attention": merged.model.attention}}
+    if merged.model.remat_policy in ("offload", "custom"):  # its per-tensor lists
+        body["model"].update({k: list(merged.model.get(k) or [])
+                              for k in ("remat_save", "remat_offload")})
     if cand.batch_size != base.data.batch_size:
         body["data"] = {"batch_size": cand.batch_size}
     rec = winner.record
@@ -208,7 +231,8 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
         f"{cfg.topology}:",
         f"# mesh data={cand.data} x expert={cand.expert} x model={cand.model}, "
         f"{cand.num_microbatches} microbatch(es), remat {cand.remat_policy}, "
-        f"FSDP {'on' if cand.fsdp else 'off'}, {cand.attention} attention; estimated "
+        f"FSDP {'on' if cand.fsdp else 'off'}, {cand.attention} attention, activations "
+        f"{cand.activation_sharding}; estimated "
         f"{rec['est_step_s'] * 1e3:.1f} ms/step, MFU {rec['est_mfu']:.1%}, "
         f"{rec['memory_bytes'] / GIB:.2f} GiB per chip.",
         "# Group files before experiment/ in the defaults list: the experiment must not set "

@@ -25,6 +25,7 @@ import optuna
 
 from capibara_exp import optuna_study
 from capibara_exp.errors import ConfigError
+from capibara_exp.logical_axes import ACTIVATION_SHARDINGS
 from capibara_exp.tuning.space import REMAT_POLICIES, Candidate
 
 SEARCH_KEY = "tune_mesh.search"  # the config key naming the sampler, for errors
@@ -92,12 +93,14 @@ class Cache:
 # sees their order (2 model partitions lie between 1 and 4; remat 'dots' between 'none'
 # and 'full'). The data axis follows from the others.
 PARTS = ("model", "expert", "num_microbatches", "remat_policy", "fsdp", "batch_size",
-         "attention")
+         "attention", "activation_sharding", "splash_block", "splash_fused_bwd")
 
 
 def _space(cands: Sequence[Candidate]) -> dict[str, list]:
     """The distinct values of each part, in order."""
     def order(part: str):
+        if part == "activation_sharding":
+            return ACTIVATION_SHARDINGS.index
         return REMAT_POLICIES.index if part == "remat_policy" else (lambda v: v)
 
     return {part: sorted({getattr(c, part) for c in cands}, key=order(part)) for part in PARTS}

@@ -24,11 +24,15 @@ INSTALL_HINT = ("compiling for a TPU topology needs libtpu: `pip install 'capiba
                 "(Linux x86_64); it compiles for TPUs on a machine without them")
 
 
-def devices(topology: Topology) -> list[Any]:
-    """The devices of a TPU slice (or of N slices over DCN), in libtpu's order."""
+def devices(topology: Topology, libtpu_init_args: str | None = None) -> list[Any]:
+    """The devices of a TPU slice (or of N slices over DCN), in libtpu's order. With
+    `libtpu_init_args` (the experiment's flags), LIBTPU_INIT_ARGS is set first: libtpu reads
+    it once, when it starts in this process, and compiles every step under those flags."""
     if not libtpu_installed():
         raise ConfigError(INSTALL_HINT)  # the user's install to fix: exit 2, one line
     os.environ.update(libtpu_environment(topology))
+    if libtpu_init_args:
+        os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args
     from jax.experimental import topologies
 
     kwargs = dict(topology.libtpu_options)
