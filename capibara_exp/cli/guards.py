@@ -146,16 +146,17 @@ def _read_only(directory: Path) -> bool:
 
 
 @contextlib.contextmanager
-def undone_if_refused(path: object) -> Iterator[None]:
-    """A command refused (exit 2) after it began writing `path`, a directory that was new or
-    empty: what it wrote there goes again, so a refusal leaves nothing."""
+def undone_if_refused(path: object, codes: tuple[int, ...] = (2,)) -> Iterator[None]:
+    """A command refused (exit 2, or another of `codes`) after it began writing `path`, a
+    directory that was new or empty: what it wrote there goes again, so a refusal leaves
+    nothing."""
     target = Path(str(path)).absolute()
     missing = _outermost_missing(target)
     was_empty = target.is_dir() and not any(target.iterdir())
     try:
         yield
     except SystemExit as stop:
-        if stop.code == 2 and (missing is not None or was_empty):
+        if stop.code in codes and (missing is not None or was_empty):
             _remove(missing if missing is not None else target, keep_root=missing is None)
         raise
 

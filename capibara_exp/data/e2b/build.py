@@ -287,7 +287,8 @@ def ensure_built(data_dir: str | os.PathLike, cfg: dict | None = None, force: bo
     out.mkdir(parents=True, exist_ok=True)
     try:
         return _built_under_lock(out, data_dir, cfg, force)
-    except ConfigError:  # a refused build (BuildError, NoExamplesError, bad settings)
+    except (ConfigError, OSError):  # a refused build (BuildError, NoExamplesError, bad
+        # settings) or one the disk failed (full, the file size limit)
         if made is not None:  # leaves nothing behind: the dirs it made go again
             shutil.rmtree(made, ignore_errors=True)
         raise
