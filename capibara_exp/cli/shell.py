@@ -97,7 +97,8 @@ def _handle(err: BaseException) -> None:
         _stopped(prog, "SIGINT", said)
     if verbose:
         raise err
-    libraries_off_console()  # what they log from here on is about this failure
+    if _console_process():  # what they log from here on is about this failure
+        libraries_off_console()
     if isinstance(err, ConfigError):  # raised past the checks (a sweeper's settings)
         one_line = " ".join(str(err).split())
         print(f"{prog}: configuration error: {one_line}", file=sys.stderr, flush=True)
@@ -157,16 +158,18 @@ def job(task: Callable) -> Callable:
 
     @functools.wraps(task)
     def logged(*a: object, **k: object) -> object:
-        if _current and not _current[0][3]:  # Hydra has set up its log handlers by now
-            libraries_off_console()
+        if _current and not _current[0][3] and _console_process():  # Hydra has set up
+            libraries_off_console()  # its log handlers by now (a test's are left alone)
         return run(*a, **k)
     return logged
 
 
 # Loggers of the libraries underneath (and their children): absl carries orbax's and
 # seqio's records, tensorflow has a console handler of its own.
+# Python's warnings are records of py.warnings (JAX's "Error writing persistent compilation
+# cache entry" when the disk fails the cache): no code of capibara-exp warns.
 LIBRARIES = ("absl", "orbax", "jax", "jaxlib", "tensorflow", "tensorstore", "asyncio",
-             "etils", "flax", "seqio", "t5x", "concurrent")
+             "etils", "flax", "seqio", "t5x", "concurrent", "py.warnings")
 
 
 class _LibrariesOff(logging.Filter):
@@ -174,12 +177,28 @@ class _LibrariesOff(logging.Filter):
         return not any(record.name == n or record.name.startswith(n + ".") for n in LIBRARIES)
 
 
+class _RunLogOnly(logging.Handler):
+    """A library logger's records to the root logger's file handlers (the run log) alone,
+    whichever handlers the root has by the time (Hydra's, a basicConfig's)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def libraries_off_console() -> None:
-    """The libraries' log records reach no console handler (the root's, such as Hydra's,
-    and the libraries' own); a run log's file handlers still take them. A disk that fills
-    while orbax saves makes its writer threads log ERROR lines that would stand beside the
-    one line saying so (verbose=true shows them)."""
-    for logger in (logging.getLogger(), *(logging.getLogger(n) for n in LIBRARIES)):
+    """The libraries' log records reach no console handler: their loggers stop propagating
+    to the root's (Hydra's console, one a library's `logging.warning` made) and hand them
+    to the run log's file handlers instead; a library's own console handler (TensorFlow's)
+    drops them. A disk that fills while orbax saves makes its writer threads log ERROR
+    lines that would stand beside the one line saying so (verbose=true shows them). Again
+    after Hydra configures logging, which replaces the handlers of the loggers it names."""
+    for name in LIBRARIES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _RunLogOnly) for h in logger.handlers):
+            logger.addHandler(_RunLogOnly())
+        logger.propagate = False
         for handler in logger.handlers:
             if (isinstance(handler, logging.StreamHandler)
                     and not isinstance(handler, logging.FileHandler)
@@ -223,6 +242,9 @@ def _quiet_libraries() -> None:
     sys.excepthook = lambda kind, value, tb: _thread_errors.append(value)
     sys.unraisablehook = lambda unraisable: _thread_errors.append(unraisable.exc_value)
     logging.raiseExceptions = False
+    if _console_process():  # Python's warnings become log records, kept off the console
+        logging.captureWarnings(True)
+        libraries_off_console()
 
 
 def _quiet_thread(args: object) -> None:
@@ -324,10 +346,23 @@ def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str
     mine = err.errno in PATH_ERRNOS and any(_named(f, args) for f in (err.filename,
                                                                       err.filename2) if f)
     text = f"{where}: {reason}" if where else reason
-    print(f"{prog}: {text}{f' ({name})' if name else ''}; {_safe(said)}", file=sys.stderr,
-          flush=True)
+    print(f"{prog}: {text}{f' ({name})' if name else ''}{_limit(err.errno)}; {_safe(said)}",
+          file=sys.stderr, flush=True)
     _ending()
     sys.exit(USER_ERROR if mine else RUN_FAILED)
+
+
+def _limit(number: int | None) -> str:
+    """The process's own limit behind a failure, where one is set: the user can raise it."""
+    import resource
+
+    which = {errno.EMFILE: (resource.RLIMIT_NOFILE, "open files", "ulimit -n"),
+             errno.EFBIG: (resource.RLIMIT_FSIZE, "bytes a file", "ulimit -f")}.get(number)
+    if which is None:
+        return ""
+    soft = resource.getrlimit(which[0])[0]
+    return "" if soft == resource.RLIM_INFINITY else \
+        f" (this process may have {soft} {which[1]}: {which[2]})"
 
 
 def _named(filename: object, args: list[str]) -> bool:
