@@ -65,6 +65,8 @@ def test_the_fault_cases_fail_where_they_should() -> None:
 
     ok = "capibara-exp: starting ...\nstep 2/4  loss 1\ncapibara-exp: x: No space (ENOSPC)\n"
     assert os_faults.problems("capibara-exp", done(1, ok)) == []
+    in_path = "capibara-exp: run dir /tmp/test_orbax_errors0/run\n" + ok  # a word of a path
+    assert os_faults.problems("capibara-exp", done(1, in_path)) == []
     assert os_faults.problems("capibara-exp", done(1, "[absl][ERROR] - save failed\n" + ok))
     assert os_faults.problems("capibara-exp", done(1, ok + "capibara-exp: internal error: x\n"))
     assert os_faults.problems("capibara-exp", done(1, "Traceback (most recent call last):\n"))
