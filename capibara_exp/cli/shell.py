@@ -233,9 +233,9 @@ class _OneLine(logging.Filter):
 
 def _quiet_libraries() -> None:
     """Libraries' background threads (orbax's savers, asyncio loops) print tracebacks of
-    their own when a disk fills; kept to one line each, or none once the process is ending."""
-    for name in ("absl", "orbax", "jax", "asyncio", "tensorflow", ""):
-        logging.getLogger(name).addFilter(_OneLine())
+    their own when a disk fills: their loggers' records go to the run log whole
+    (`libraries_off_console`); a record on the root logger itself is kept to one line."""
+    logging.getLogger().addFilter(_OneLine())
     threading.excepthook = _quiet_thread
     # tensorstore's callbacks print through sys.excepthook ("Event loop is closed" per
     # pending write); a log file on the full disk makes logging print its own traceback
