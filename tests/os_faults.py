@@ -36,6 +36,7 @@ MODULE = {"capibara-exp": "capibara_exp.cli.main", "capibara-exp-data": "capibar
           "capibara-exp-generate": "capibara_exp.cli.generate"}
 # (name, resource, soft limit): small enough that the scripts' own writes hit them
 LIMITS = {
+    "fsize=512": (resource.RLIMIT_FSIZE, 512),  # a generation's output file (2 prompts)
     "fsize=4k": (resource.RLIMIT_FSIZE, 4 << 10),
     "fsize=100k": (resource.RLIMIT_FSIZE, 100 << 10),
     "fsize=1m": (resource.RLIMIT_FSIZE, 1 << 20),

@@ -19,7 +19,8 @@ SCRIPTS = sorted(os_faults.MODULE)
 CASES = [(script, limit) for script in SCRIPTS for limit in ("fsize=4k", "fsize=100k",
                                                                "nofile=24")
          if (script, limit) != ("capibara-exp", "fsize=100k")]
-CASES += [("capibara-exp", "nofile=12"), ("capibara-exp-merge", "nofile=12")]
+CASES += [("capibara-exp", "nofile=12"), ("capibara-exp-merge", "nofile=12"),
+          ("capibara-exp-generate", "fsize=512")]  # its outputs are under 4 KB
 
 
 @pytest.fixture(scope="module")
