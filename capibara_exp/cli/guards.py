@@ -171,6 +171,7 @@ def _outermost_missing(path: Path) -> Path | None:
 def _remove(path: Path, keep_root: bool) -> None:
     if not path.is_dir():
         return
+    _descriptors_for_cleanup()
     if not keep_root:
         shutil.rmtree(path, ignore_errors=True)
         return
@@ -179,3 +180,15 @@ def _remove(path: Path, keep_root: bool) -> None:
             shutil.rmtree(child, ignore_errors=True)
         else:
             child.unlink(missing_ok=True)
+
+
+def _descriptors_for_cleanup() -> None:
+    """A command that failed for want of descriptors (EMFILE) still removes what it began:
+    rmtree opens each directory, so the soft limit goes up to the hard one (a process may)
+    on its way out."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
