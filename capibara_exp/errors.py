@@ -50,7 +50,9 @@ def environment_failure(err: BaseException) -> bool:
     OSError, or tensorstore's error naming the OS error): a checkpoint read that fails so
     is not damaged, and must not be set aside as if it were."""
     seen: BaseException | None = err
-    while seen is not None:
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:  # a chain may loop back
+        visited.add(id(seen))
         if isinstance(seen, OSError) and seen.errno in ENVIRONMENT_ERRNOS:
             return True
         seen = seen.__cause__ or seen.__context__
