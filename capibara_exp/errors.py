@@ -38,3 +38,24 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+# What the machine lacks, not what a file holds: too many open files (the process's or the
+# system's), memory, a full disk, a file over the size limit.
+ENVIRONMENT_ERRNOS = frozenset({24, 23, 12, 28, 27})  # EMFILE ENFILE ENOMEM ENOSPC EFBIG
+
+
+def environment_failure(err: BaseException) -> bool:
+    """Whether reading or writing failed for want of descriptors, memory or space (an
+    OSError, or tensorstore's error naming the OS error): a checkpoint read that fails so
+    is not damaged, and must not be set aside as if it were."""
+    seen: BaseException | None = err
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:  # a chain may loop back
+        visited.add(id(seen))
+        if isinstance(seen, OSError) and seen.errno in ENVIRONMENT_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(err)
+    return any(f"os_error_code='{n}'" in text or f"[Errno {n}]" in text
+               for n in ENVIRONMENT_ERRNOS) or "Too many open files" in text

@@ -34,6 +34,9 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
     a mistake is one line and exit 2 with nothing written. Sets up the process environment
     (environment.prepare) once `verbose` is known. Returns the command line, its composition
     (None for --help and the like, which Hydra answers alone) and the argv to give Hydra."""
+    # JAX's platforms before anything imports JAX: composing a merge's config loads the
+    # merge methods (JAX), and JAX reads them once, at import (else libtpu's probe lines)
+    environment.select_platform()
     with user_errors(prog, prefix="configuration error: "):
         line = flags.parse(argv)
         register_resolvers()
@@ -60,9 +63,13 @@ def user_errors(prog: str, *types: type[BaseException], prefix: str = "") -> Ite
     other exception stays an internal failure."""
     from omegaconf.errors import OmegaConfBaseException
 
+    from capibara_exp.cli import shell
+
     try:
         yield
     except (ConfigError, *types) as err:
+        if shell.disk_failure(err):  # tensorstore's full disk, a ValueError: not the user's
+            raise
         fail(prog, f"{prefix}{err}")
     except OmegaConfBaseException as err:  # a value the user's config cannot resolve
         fail(prog, f"{prefix}{err}")

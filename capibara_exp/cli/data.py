@@ -16,6 +16,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp import run_lock
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import checked_argv, user_errors
 from capibara_exp.cli.shell import console, job
@@ -44,13 +45,15 @@ def _app(cfg: DictConfig) -> None:
 
 def check_paths(cfg: DictConfig) -> None:
     """The input logs and playbooks exist, none inside the dir the build rewrites; data_dir
-    is a directory this process can write (or make): checked before anything is made."""
+    is a directory this process can write (or make) that no other build holds: checked
+    before anything is made."""
     inputs = {}
     for key in ("logs", "playbooks"):
         for i, path in enumerate(cfg.inputs.get(key) or []):
             inputs[f"inputs.{key}[{i}]"] = guards.existing_input(f"inputs.{key}[{i}]", path)
     data_dir = guards.writable_dir("data_dir", cfg.data_dir)
     built = (data_dir / "e2b_routing").resolve()  # build.dataset_dir: what a build rewrites
+    run_lock.refuse_if_held(built, "data_dir", shown=cfg.data_dir)  # another build runs
     for key, path in inputs.items():
         if built in path.resolve().parents:
             raise ConfigError(f"{key}={path}: lies inside {built}, which the build rewrites; "

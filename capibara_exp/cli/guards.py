@@ -146,16 +146,17 @@ def _read_only(directory: Path) -> bool:
 
 
 @contextlib.contextmanager
-def undone_if_refused(path: object) -> Iterator[None]:
-    """A command refused (exit 2) after it began writing `path`, a directory that was new or
-    empty: what it wrote there goes again, so a refusal leaves nothing."""
+def undone_if_refused(path: object, codes: tuple[int, ...] = (2,)) -> Iterator[None]:
+    """A command refused (exit 2, or another of `codes`) after it began writing `path`, a
+    directory that was new or empty: what it wrote there goes again, so a refusal leaves
+    nothing."""
     target = Path(str(path)).absolute()
     missing = _outermost_missing(target)
     was_empty = target.is_dir() and not any(target.iterdir())
     try:
         yield
     except SystemExit as stop:
-        if stop.code == 2 and (missing is not None or was_empty):
+        if stop.code in codes and (missing is not None or was_empty):
             _remove(missing if missing is not None else target, keep_root=missing is None)
         raise
 
@@ -170,6 +171,7 @@ def _outermost_missing(path: Path) -> Path | None:
 def _remove(path: Path, keep_root: bool) -> None:
     if not path.is_dir():
         return
+    _descriptors_for_cleanup()
     if not keep_root:
         shutil.rmtree(path, ignore_errors=True)
         return
@@ -178,3 +180,15 @@ def _remove(path: Path, keep_root: bool) -> None:
             shutil.rmtree(child, ignore_errors=True)
         else:
             child.unlink(missing_ok=True)
+
+
+def _descriptors_for_cleanup() -> None:
+    """A command that failed for want of descriptors (EMFILE) still removes what it began:
+    rmtree opens each directory, so the soft limit goes up to the hard one (a process may)
+    on its way out."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

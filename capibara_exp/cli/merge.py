@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     if comp is None or line.shows_config:
         _app()
         return
-    with guards.undone_if_refused(comp.cfg.out):
+    # a merge that failed (a full disk: exit 1) or was stopped (75) leaves no half-written
+    # checkpoint in its out dir either: nothing there is of use, and out must be new or empty
+    with guards.undone_if_refused(comp.cfg.out, codes=(1, 2, 75)):
         _app()
 
 

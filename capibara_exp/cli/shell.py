@@ -6,7 +6,11 @@
   nothing half-written that a later run would read).
 - An OSError (disk full, read-only file system, a path that is a file, a name too long) is
   one line naming the path and the failure: exit 2 when the path is one the command line
-  named, 1 otherwise (the environment's).
+  named, 1 otherwise (the environment's). So is tensorstore's report of one (a full disk,
+  the file size limit, too many open files), and a file over RLIMIT_FSIZE (SIGXFSZ is
+  ignored: EFBIG).
+- The libraries' log records (orbax's writer threads, TensorFlow) reach no console
+  handler once Hydra has set them up, and none after a failure: the run log has them.
 - Any other exception is one line naming it (exit 1); verbose=true on the command line or
   CAPIBARA_VERBOSE=1 shows the traceback instead.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import io
 import logging
 import os
 import re
@@ -25,7 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from capibara_exp.errors import (
+    ENVIRONMENT_ERRNOS,
+    PREEMPTED_EXIT_CODE,
+    ConfigError,
+    Preempted,
+)
 
 USER_ERROR = 2
 RUN_FAILED = 1
@@ -87,22 +97,47 @@ def _handle(err: BaseException) -> None:
         _stopped(prog, "SIGINT", said)
     if verbose:
         raise err
+    if _console_process():  # what they log from here on is about this failure
+        libraries_off_console()
     if isinstance(err, ConfigError):  # raised past the checks (a sweeper's settings)
         one_line = " ".join(str(err).split())
         print(f"{prog}: configuration error: {one_line}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR)
     if isinstance(err, OSError):
         _os_failure(prog, err, args, said)
-    full = _FULL_DISK.search(str(err))
-    if full:  # tensorstore's (orbax's) report of a full disk, as a ValueError
-        _os_failure(prog, OSError(errno.ENOSPC, "No space left on device (writing a "
-                                  "checkpoint)", full.group(1)), args, said)
+    store = _tensorstore_os_error(err)
+    if store is not None:  # tensorstore's (orbax's) report of an OS failure, as a ValueError
+        _os_failure(prog, store, args, said)
     _internal(prog, err)
 
 
+def _tensorstore_os_error(err: BaseException) -> OSError | None:
+    """The OSError in tensorstore's report of a failed write (a full disk, the file size
+    limit) or of an OS error that is the machine's (too many open files), or None."""
+    text = str(err)
+    full, code = _FULL_DISK.search(text), _OS_CODE.search(text)
+    if full is None and not (code and int(code.group(1)) in ENVIRONMENT_ERRNOS):
+        return None
+    number = int(code.group(1)) if code else _STATUS_ERRNO[full.group(1)]
+    path = full.group(2) if full else next(iter(_QUOTED_PATH.findall(text)), None)
+    doing = " (writing a checkpoint)" if full else ""
+    return OSError(number, f"{os.strerror(number)}{doing}", path)
+
+
+def disk_failure(err: BaseException) -> bool:
+    """Whether `err` is tensorstore's report of an OS failure of the machine's (a full
+    disk, the file size limit, too many open files), whatever its type."""
+    return not isinstance(err, ConfigError) and _tensorstore_os_error(err) is not None
+
+
 # Both of tensorstore's forms: "... writing "<key>" in OCDBT database at local file "<path>""
-# and "... writing local file "<path>"" (a checkpoint's metadata files)
-_FULL_DISK = re.compile(r"RESOURCE_EXHAUSTED: Error writing (?:.*? at )?local file \"([^\"]+)\"")
+# and "... writing local file "<path>"" (a checkpoint's metadata files); a full disk is
+# RESOURCE_EXHAUSTED, a file over the size limit (RLIMIT_FSIZE) OUT_OF_RANGE
+_FULL_DISK = re.compile(r"(RESOURCE_EXHAUSTED|OUT_OF_RANGE): Error writing (?:.*? at )?local "
+                        r"file \"([^\"]+)\"")
+_OS_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
+_STATUS_ERRNO = {"RESOURCE_EXHAUSTED": errno.ENOSPC, "OUT_OF_RANGE": errno.EFBIG}
+_QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 
 
 def job(task: Callable) -> Callable:
@@ -120,7 +155,55 @@ def job(task: Callable) -> Callable:
                 raise
             _handle(err)
         return None
-    return run
+
+    @functools.wraps(task)
+    def logged(*a: object, **k: object) -> object:
+        if _current and not _current[0][3] and _console_process():  # Hydra has set up
+            libraries_off_console()  # its log handlers by now (a test's are left alone)
+        return run(*a, **k)
+    return logged
+
+
+# Loggers of the libraries underneath (and their children): absl carries orbax's and
+# seqio's records, tensorflow has a console handler of its own.
+# Python's warnings are records of py.warnings (JAX's "Error writing persistent compilation
+# cache entry" when the disk fails the cache): no code of capibara-exp warns.
+LIBRARIES = ("absl", "orbax", "jax", "jaxlib", "tensorflow", "tensorstore", "asyncio",
+             "etils", "flax", "seqio", "t5x", "concurrent", "py.warnings")
+
+
+class _LibrariesOff(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(record.name == n or record.name.startswith(n + ".") for n in LIBRARIES)
+
+
+class _RunLogOnly(logging.Handler):
+    """A library logger's records to the root logger's file handlers (the run log) alone,
+    whichever handlers the root has by the time (Hydra's, a basicConfig's)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def libraries_off_console() -> None:
+    """The libraries' log records reach no console handler: their loggers stop propagating
+    to the root's (Hydra's console, one a library's `logging.warning` made) and hand them
+    to the run log's file handlers instead; a library's own console handler (TensorFlow's)
+    drops them. A disk that fills while orbax saves makes its writer threads log ERROR
+    lines that would stand beside the one line saying so (verbose=true shows them). Again
+    after Hydra configures logging, which replaces the handlers of the loggers it names."""
+    for name in LIBRARIES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _RunLogOnly) for h in logger.handlers):
+            logger.addHandler(_RunLogOnly())
+        logger.propagate = False
+        for handler in logger.handlers:
+            if (isinstance(handler, logging.StreamHandler)
+                    and not isinstance(handler, logging.FileHandler)
+                    and not any(isinstance(f, _LibrariesOff) for f in handler.filters)):
+                handler.addFilter(_LibrariesOff())
 
 
 def _multirun() -> bool:
@@ -150,15 +233,18 @@ class _OneLine(logging.Filter):
 
 def _quiet_libraries() -> None:
     """Libraries' background threads (orbax's savers, asyncio loops) print tracebacks of
-    their own when a disk fills; kept to one line each, or none once the process is ending."""
-    for name in ("absl", "orbax", "jax", "asyncio", "tensorflow", ""):
-        logging.getLogger(name).addFilter(_OneLine())
+    their own when a disk fills: their loggers' records go to the run log whole
+    (`libraries_off_console`); a record on the root logger itself is kept to one line."""
+    logging.getLogger().addFilter(_OneLine())
     threading.excepthook = _quiet_thread
     # tensorstore's callbacks print through sys.excepthook ("Event loop is closed" per
     # pending write); a log file on the full disk makes logging print its own traceback
     sys.excepthook = lambda kind, value, tb: _thread_errors.append(value)
     sys.unraisablehook = lambda unraisable: _thread_errors.append(unraisable.exc_value)
     logging.raiseExceptions = False
+    if _console_process():  # Python's warnings become log records, kept off the console
+        logging.captureWarnings(True)
+        libraries_off_console()
 
 
 def _quiet_thread(args: object) -> None:
@@ -195,7 +281,11 @@ def _install(prog: str, said: Callable[[], str]) -> dict:
             signal.signal(sig, signal.SIG_IGN)
         _stopped(prog, signal.Signals(signum).name, said)
 
-    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # A file over the size limit (RLIMIT_FSIZE) is then EFBIG, the one line of an OSError,
+    # not a process killed by SIGXFSZ (CPython ignores it at start; an embedder may not)
+    previous[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return previous
 
 
 def _restore(previous: dict) -> None:
@@ -231,18 +321,48 @@ def _original(err: OSError) -> OSError:
     return err
 
 
+def _written_file(err: BaseException) -> str | None:
+    """The file a write without a name in its OSError was writing (a full disk or the file
+    size limit fails `write` or `close`, whose error holds no path): the open file in the
+    innermost frame of the traceback that holds one."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), str):
+                return value.name
+    return None
+
+
 def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str]) -> None:
     err = _original(err)
+    if err.filename is None and err.errno is not None:
+        err = OSError(err.errno, err.strerror or str(err), _written_file(err))
     name = errno.errorcode.get(err.errno or 0, "")
     where = " ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
     reason = err.strerror or (str(err).splitlines() or [type(err).__name__])[0]
     mine = err.errno in PATH_ERRNOS and any(_named(f, args) for f in (err.filename,
                                                                       err.filename2) if f)
     text = f"{where}: {reason}" if where else reason
-    print(f"{prog}: {text}{f' ({name})' if name else ''}; {_safe(said)}", file=sys.stderr,
-          flush=True)
+    print(f"{prog}: {text}{f' ({name})' if name else ''}{_limit(err.errno)}; {_safe(said)}",
+          file=sys.stderr, flush=True)
     _ending()
     sys.exit(USER_ERROR if mine else RUN_FAILED)
+
+
+def _limit(number: int | None) -> str:
+    """The process's own limit behind a failure, where one is set: the user can raise it."""
+    import resource
+
+    which = {errno.EMFILE: (resource.RLIMIT_NOFILE, "open files", "ulimit -n"),
+             errno.EFBIG: (resource.RLIMIT_FSIZE, "bytes a file", "ulimit -f")}.get(number)
+    if which is None:
+        return ""
+    soft = resource.getrlimit(which[0])[0]
+    return "" if soft == resource.RLIM_INFINITY else \
+        f" (this process may have {soft} {which[1]}: {which[2]})"
 
 
 def _named(filename: object, args: list[str]) -> bool:

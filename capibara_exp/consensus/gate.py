@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
-from capibara_exp.errors import ConfigError
+from capibara_exp.errors import ConfigError, environment_failure
 from capibara_exp.runtime import integrity
 
 TARGET: LeafPath = ("target",)
@@ -137,6 +137,8 @@ def precheck(candidates: list[Candidate], cfg: GateConfig, pool: ThreadPoolExecu
             try:
                 indexes[c.name] = leaf_index(c)
             except Exception as err:  # orbax raises many types for unreadable metadata
+                if environment_failure(err):  # too many open files: not the candidate's
+                    raise
                 reason = f"unreadable metadata ({type(err).__name__}: {err})"
         if reason:
             gate.reject(c, reason)

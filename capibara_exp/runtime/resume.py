@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from capibara_exp import phases
-from capibara_exp.errors import ConfigError, RunError
+from capibara_exp.errors import ConfigError, RunError, environment_failure
 from capibara_exp.runtime import checkpoints, integrity
 
 
@@ -57,6 +57,8 @@ def _check_tree(path: Path, template: Any) -> str | None:
     try:
         mismatch = _tree_mismatch(path, template)
     except Exception as err:  # orbax raises many types for unreadable metadata: damaged
+        if environment_failure(err):  # too many open files, no memory: the checkpoint is
+            raise  # not damaged, and is not set aside
         return f"unreadable metadata ({type(err).__name__}: {str(err)[:200]})"
     if mismatch:
         raise ConfigError(f"{path} was written by another model ({mismatch}): resume it with "

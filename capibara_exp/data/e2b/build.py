@@ -6,20 +6,23 @@ examples (domain, difficulty, split). The manifest records counts per input file
 sha256 of every file the build wrote, the filters, the quarantine counts, the scrubbing
 figures and the fingerprint of the build config: a run whose data are already built for
 the same config reuses them, so the first run that needs the data builds them and the
-others wait.
+others wait. A build holds `<data_dir>/e2b_routing/.capibara.lock` (capibara_exp.run_lock):
+a second `capibara-exp-data` on the same data dir is refused with the holder's pid and host.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
+from capibara_exp import run_lock
 from capibara_exp.data import routing
 from capibara_exp.data.corpus import atomic_write
 from capibara_exp.data.e2b import (
@@ -284,7 +287,8 @@ def ensure_built(data_dir: str | os.PathLike, cfg: dict | None = None, force: bo
     out.mkdir(parents=True, exist_ok=True)
     try:
         return _built_under_lock(out, data_dir, cfg, force)
-    except ConfigError:  # a refused build (BuildError, NoExamplesError, bad settings)
+    except (ConfigError, OSError):  # a refused build (BuildError, NoExamplesError, bad
+        # settings) or one the disk failed (full, the file size limit)
         if made is not None:  # leaves nothing behind: the dirs it made go again
             shutil.rmtree(made, ignore_errors=True)
         raise
@@ -298,10 +302,17 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
+# One builder per process too: the lock file is per process (a second thread would pass it).
+_BUILDING = threading.Lock()
+
+
 def _built_under_lock(out: Path, data_dir: str | os.PathLike, cfg: dict | None,
                       force: bool) -> dict:
-    with open(out / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs of a sweep: one builds, the rest wait
+    # A build asked for (cfg given: the command) is refused at once while another process
+    # builds there; a run that only reads the data (cfg None) waits for that build.
+    with _BUILDING, run_lock.held(out, "data_dir", shown=data_dir, wait=cfg is None) as note:
+        if note:
+            print(f"{DATASET}: {note}", file=sys.stderr, flush=True)
         manifest_path = out / "manifest.json"
         if manifest_path.exists() and not force:
             with contextlib.suppress(json.JSONDecodeError):
