@@ -150,6 +150,9 @@ def one_case(script: str, rlimits: list[tuple[int, int]], run: Path, data_dir: P
     began = {"capibara-exp-merge": work / "merged", "capibara-exp-data": work / "data"}
     if out.returncode != 0 and script in began and began[script].exists():
         found.append(f"failed, but left {began[script]} behind")  # new output dirs go again
+    staged = [p.name for p in work.glob(".out.jsonl*")]  # generate's staging files
+    if out.returncode != 0 and script == "capibara-exp-generate" and staged:
+        found.append(f"failed, but left {staged} behind")
     return out, found
 
 

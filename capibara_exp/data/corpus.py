@@ -119,6 +119,10 @@ def _read_splits(sources: tuple[Path, ...], shown: object) -> dict[str, list[str
 def atomic_write(path: Path, payload: bytes) -> None:
     """Write via a temporary file and rename, so a killed build never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(payload)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or a size limit: no temporary file left behind
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -87,7 +87,11 @@ def from_task(task: str, split: str, limit: int | None) -> list[dict]:
 def write_atomic(path: Path, lines: Iterable[str]) -> None:
     """Write beside the final name, then rename: a stopped run leaves no half file."""
     staging = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(staging, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(line + "\n")
-    staging.replace(path)
+    try:
+        with open(staging, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+        staging.replace(path)
+    except BaseException:  # a full disk or a size limit: no staging file left beside the output
+        staging.unlink(missing_ok=True)
+        raise
