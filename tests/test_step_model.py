@@ -190,6 +190,7 @@ def test_tpu_einsums_collectives_and_their_torus_axes():
 def test_splash_kernels_are_counted_from_their_shapes_and_blocks():
     from flax.linen import partitioning as nn_partitioning
 
+    from capibara_exp import logical_axes
     from capibara_exp.nets import splash
 
     devices = tpu_devices("v5e-4")
@@ -198,7 +199,8 @@ def test_splash_kernels_are_counted_from_their_shapes_and_blocks():
 
     def loss(q, k, v):
         segments = jnp.ones((batch, length), jnp.int32)
-        with nn_partitioning.axis_rules([("batch", "data"), ("heads", "model")]):
+        with nn_partitioning.axis_rules([(logical_axes.BATCH, "data"),
+                                         (logical_axes.HEADS, "model")]):
             out = splash.splash_attention(q, k, v, segments)
         return jnp.sum(out.astype(jnp.float32))
 
