@@ -116,6 +116,24 @@ def check_paths(command: str, keys: dict[str, str]) -> None:
         guards.new_output("out", keys["out"], inputs)
 
 
+def preflight(command: str, typed: dict) -> None:
+    """What can be refused from small files and the settings alone, before the first line
+    and the heavy imports: a model directory's config.json (an architecture this project
+    does not implement, options it does not support), a vocabulary's settings."""
+    from pathlib import Path
+
+    if command == "import":
+        from capibara_exp.convert import families
+
+        hf_dir = Path(typed["hf_dir"]).expanduser().absolute()
+        families.model_keys(families.read_config(hf_dir), str(hf_dir / "config.json"))
+    elif command == "sentencepiece":
+        from capibara_exp.data import sentencepiece_model
+
+        sentencepiece_model.check_settings(typed["out"], typed.get("vocab_size", 8000),
+                                           typed.get("model_type", "unigram"))
+
+
 @console(PROG)
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
@@ -126,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     typed = _typed(keys)
     with user_errors(PROG):
         check_paths(command, keys)
+        preflight(command, typed)
     phases.starting(PROG)
     environment.prepare()  # quiet native logs and the platform choice, before JAX loads
     with phases.importing("TensorFlow"):

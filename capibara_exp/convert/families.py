@@ -11,7 +11,9 @@ Anything a family's config asks for that the networks do not implement is refuse
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from capibara_exp.errors import ConfigError
@@ -146,6 +148,24 @@ def _moe(config: Mapping[str, Any], fam: Family, where: str) -> dict:
                     "every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers)")
         out["mlp_dim"] = config["moe_intermediate_size"]
     return out
+
+
+def read_config(hf_dir: Path) -> dict:
+    """config.json of a Hugging Face model directory, refused in one line if it is none."""
+    path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise ConfigError(f"hf_dir={hf_dir}: not a directory")
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"hf_dir={hf_dir}: no config.json (a Hugging Face model "
+                          "directory: config.json and *.safetensors)") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(config, dict) or "text_config" in config:
+        raise ConfigError(f"{path}: not a causal language model's config (a multimodal "
+                          "model's text_config is not imported; convert its text model)")
+    return config
 
 
 def model_keys(config: Mapping[str, Any], where: str = "config.json") -> tuple[Family, dict]:

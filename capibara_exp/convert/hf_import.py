@@ -40,23 +40,6 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 RECORD = "import.json"
 
 
-def read_config(hf_dir: Path) -> dict:
-    path = hf_dir / "config.json"
-    if not hf_dir.is_dir():
-        raise ConfigError(f"hf_dir={hf_dir}: not a directory")
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"hf_dir={hf_dir}: no config.json (a Hugging Face model "
-                          "directory: config.json and *.safetensors)") from None
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}: not readable JSON ({err})") from None
-    if not isinstance(config, dict) or "text_config" in config:
-        raise ConfigError(f"{path}: not a causal language model's config (a multimodal "
-                          "model's text_config is not imported; convert its text model)")
-    return config
-
-
 def param_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The network's parameters by path and shape (traced, never computed)."""
     tokens = jax.ShapeDtypeStruct((1, 128), np.int32)  # (splash's smallest block)
@@ -159,7 +142,7 @@ def import_model(hf_dir: str | Path, out: str | Path, name: str | None = None,
     hf_dir, out = Path(hf_dir).expanduser().absolute(), Path(out).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"out={out}: exists and is not an empty directory")
-    config = read_config(hf_dir)
+    config = families.read_config(hf_dir)
     fam, keys = families.model_keys(config, str(hf_dir / "config.json"))
     keys["scan_layers"] = bool(scan_layers)
     source_dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")

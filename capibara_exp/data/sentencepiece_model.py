@@ -18,11 +18,9 @@ from capibara_exp.errors import ConfigError
 MODEL_TYPES = ("unigram", "bpe")
 
 
-def train(out: str | os.PathLike, data_dir: str | os.PathLike, vocab_size: int = 8000,
-          model_type: str = "unigram") -> dict:
-    """Train on the corpus' train split; write OUT (a .model); report tokens per byte."""
-    import sentencepiece as spm
-
+def check_settings(out: str | os.PathLike, vocab_size: int, model_type: str) -> Path:
+    """The output file and the settings, refused in one line before any work (and before
+    the console script's heavy imports); the absolute output path."""
     out = Path(out).expanduser().absolute()
     if out.suffix != ".model":
         raise ConfigError(f"out={out}: a SentencePiece model file ends in .model")
@@ -33,6 +31,15 @@ def train(out: str | os.PathLike, data_dir: str | os.PathLike, vocab_size: int =
     if vocab_size < 300:  # 256 byte pieces + specials + some subwords
         raise ConfigError(f"vocab_size={vocab_size}: must be >= 300 (the 256 byte-fallback "
                           "pieces come first)")
+    return out
+
+
+def train(out: str | os.PathLike, data_dir: str | os.PathLike, vocab_size: int = 8000,
+          model_type: str = "unigram") -> dict:
+    """Train on the corpus' train split; write OUT (a .model); report tokens per byte."""
+    import sentencepiece as spm
+
+    out = check_settings(out, vocab_size, model_type)
     corpus.build_corpus(data_dir)
     text = corpus.corpus_dir(data_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
