@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from capibara_exp import config_check
+from capibara_exp import cross_rules
 from capibara_exp.errors import ConfigError
 
 REPORT = "meta_report.json"
@@ -167,7 +167,7 @@ def run(cfg: DictConfig, compose: Composer, train: Callable[..., Any],
     configs = {s.name: _member_config(compose, mc, s, out / "members" / s.name) for s in members}
     for s in members:  # a pass@k gate needs members that report that k
         ks = OmegaConf.select(configs[s.name][0], "infer_eval.infer_eval_pass_ks")
-        problem = config_check.unreported_pass_at_k(
+        problem = cross_rules.unreported_pass_at_k(
             mc.gate.metric, OmegaConf.to_container(ks) if ks is not None else None)
         if problem:
             raise ConfigError(f"meta_consensus.gate.metric={mc.gate.metric}: strategy {s.name}: "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from capibara_exp import config_check, config_schema, environment, gin_bridge
+from capibara_exp import config_check, config_schema, cross_rules, environment, gin_bridge
 from capibara_exp.cli import compose as composing
 from capibara_exp.cli import gin_flags
 from capibara_exp.cli.flags import CommandLine
@@ -140,7 +140,7 @@ def check_sweep(comp: Composition) -> None:
         for value in _sweep_values(dist):
             _check_swept(comp, key, value)
     metric, ks = settings.get("metric"), OmegaConf.select(comp.cfg, "infer_eval.infer_eval_pass_ks")
-    problem = config_check.unreported_pass_at_k(
+    problem = cross_rules.unreported_pass_at_k(
         metric, OmegaConf.to_container(ks) if ks is not None else None)
     if problem:
         raise ConfigError(f"hydra.sweeper.metric={metric}: {problem}")

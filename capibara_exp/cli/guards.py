@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 
@@ -172,6 +173,19 @@ def _remove(path: Path, keep_root: bool) -> None:
     if not path.is_dir():
         return
     _descriptors_for_cleanup()
+    # A library's writer threads (Orbax's async commit) may still be finishing the files of
+    # the failed write while the main thread leaves: remove until nothing comes back.
+    for attempt in range(_REMOVE_TRIES):
+        _remove_once(path, keep_root)
+        if not (path.exists() and (not keep_root or any(path.iterdir()))):
+            return
+        time.sleep(0.1 * (attempt + 1))
+
+
+_REMOVE_TRIES = 6
+
+
+def _remove_once(path: Path, keep_root: bool) -> None:
     if not keep_root:
         shutil.rmtree(path, ignore_errors=True)
         return

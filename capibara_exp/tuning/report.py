@@ -103,6 +103,16 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
     (out_dir / RESULTS_JSON).write_text(json.dumps(
         {**summary, "results": [{"candidate": r.candidate.key, **r.record} for r in ranked]},
         indent=1, default=float) + "\n")
+    lines = _report_lines(cfg, where, chip, cands, ranked, summary, winner, replay)
+    (out_dir / REPORT_MD).write_text("\n".join(lines) + "\n")
+    plot(out_dir / REPORT_PNG, ranked, chip, f"{cfg.name} on {where}")
+    return summary
+
+def _report_lines(cfg: DictConfig, where: str, chip: Chip, cands: Sequence[Candidate],
+                  ranked: list[Result], summary: dict[str, Any], winner: Result | None,
+                  replay: list[int | None] | None) -> list[str]:
+    """mesh_report.md: the chip, the space, the ranked table, the winner with its error bar,
+    TPE's replay and the measured agreement."""
     lines = [
         f"# Mesh plan: {cfg.name} on {where}",
         "",
@@ -139,14 +149,14 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
                      f"results with {len(replay)} seeds reached the optimum after "
                      f"{replay} compiles" + (f" (median {sorted(found)[len(found) // 2]})"
                                              if found else ""))
+    agreement = summary["measured_vs_estimated"]
     if agreement:
         lines.append(f"Measured vs estimated over {agreement['candidates']} candidates: Spearman "
                      f"{agreement['spearman']:.2f}; best by estimate "
                      f"{agreement['best_by_estimate']}, best measured "
                      f"{agreement['best_measured']}.")
-    (out_dir / REPORT_MD).write_text("\n".join(lines) + "\n")
-    plot(out_dir / REPORT_PNG, ranked, chip, f"{cfg.name} on {where}")
-    return summary
+    return lines
+
 
 
 def plot(path: Path, ranked: Sequence[Result], chip: Chip, title: str) -> None:
