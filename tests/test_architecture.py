@@ -43,6 +43,8 @@ NEVER: list[tuple[str, tuple[str, ...], str]] = [
     ("capibara_exp.config_schema", (*HEAVY, "capibara_exp.runtime", "hydra"),
      "checked before any heavy import (compose time)"),
     ("capibara_exp.config_check", (*HEAVY, "capibara_exp.runtime"), "compose time"),
+    ("capibara_exp.cross_rules", (*HEAVY, "capibara_exp.runtime", "hydra"),
+     "compose time: pure rules over a config's values"),
     ("capibara_exp.resolvers", (*HEAVY, "capibara_exp.cli"), "composing needs no CLI"),
     ("capibara_exp.nets", ("capibara_exp.runtime", "capibara_exp.data", "capibara_exp.tuning",
                            "capibara_exp.sweeping", "capibara_exp.consensus", "capibara_exp.cli",
