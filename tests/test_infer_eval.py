@@ -93,13 +93,9 @@ def odd_output(outcome, expected) -> bool:
     return len(outcome.stdout + outcome.stderr) % 2 == 1
 
 
-def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
-        tmp_path: Path, data_dir) -> None:
-    run = tmp_path / "run"
-    train(run, "trainer.train_steps=2", "trainer.eval_period=2",
-          "checkpoint.checkpoint_period=2", *INFER, "infer_eval.infer_eval_num_samples=4",
-          "infer_eval.infer_eval_temperature=1.0", "infer_eval.infer_eval_pass_ks=[1,2,3,4]",
-          "infer_eval.infer_eval_checker=tests.test_infer_eval:odd_output")
+def assert_pass_at_k_is_the_estimator(run: Path) -> None:
+    """A run's inference eval (2 problems, 4 samples each, pass_ks [1..4]) reports pass@k
+    equal to the unbiased estimator over the per-problem counts it recorded."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     (got,) = [r for r in rows if r["split"] == "inference_eval"]
     # the counts seqio's JSON logger recorded for the step: [samples, passed] per problem
@@ -115,6 +111,16 @@ def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
                             abs_tol=1e-12), (k, counts)
         assert math.isclose(record[f"pass@{k}"], want, rel_tol=1e-12, abs_tol=1e-12)
     assert "capibara_e2b_codegen/pass@5" not in got
+
+
+def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
+        tmp_path: Path, data_dir) -> None:
+    run = tmp_path / "run"
+    train(run, "trainer.train_steps=2", "trainer.eval_period=2",
+          "checkpoint.checkpoint_period=2", *INFER, "infer_eval.infer_eval_num_samples=4",
+          "infer_eval.infer_eval_temperature=1.0", "infer_eval.infer_eval_pass_ks=[1,2,3,4]",
+          "infer_eval.infer_eval_checker=tests.test_infer_eval:odd_output")
+    assert_pass_at_k_is_the_estimator(run)
 
 
 @pytest.mark.parametrize("overrides, message", [

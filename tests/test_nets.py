@@ -238,14 +238,12 @@ def _qkv_and_masks(seed: int, packed: bool):
     return (q, k, v), tokens, segments, decoder_mask(tokens, segments)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool) -> None:
-    """JAX's Pallas splash kernel (run by the Pallas interpreter on CPU) against the dot
-    reference on every real position: outputs and the gradients of q, k and v."""
+def assert_splash_matches_dot(seed: int, packed: bool, **splash_options) -> None:
+    """The splash kernel (with `splash_options`) against dot attention on every real
+    position of _qkv_and_masks(seed, packed): outputs, and the gradients of q, k and v."""
     from capibara_exp.nets import attention, splash
 
-    qkv, tokens, segments, mask = _qkv_and_masks(int(packed), packed)
+    qkv, tokens, segments, mask = _qkv_and_masks(seed, packed)
     real = np.asarray(tokens > 0)[:, :, None, None]
     kernel_segments = splash.segments_for_splash(tokens, segments)
 
@@ -256,7 +254,8 @@ def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool)
         return attention.dot_attention(q, k, v, mask)
 
     def kernel(q, k, v):
-        return splash.splash_attention(q, k, v, kernel_segments, interpret=True)
+        return splash.splash_attention(q, k, v, kernel_segments, interpret=True,
+                                       **splash_options)
 
     want, got = jax.jit(dot)(*qkv), jax.jit(kernel)(*qkv)
     assert float(jnp.max(jnp.abs(jnp.where(real, want - got, 0.0)))) < 1e-5
@@ -265,6 +264,14 @@ def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool)
     for name, a, b in zip("qkv", grads_want, grads_got, strict=True):
         scale = float(jnp.max(jnp.abs(a)))
         assert scale > 1.0 and float(jnp.max(jnp.abs(a - b))) < 1e-5 * scale, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_splash_kernel_matches_dot_attention_in_value_and_gradient(packed: bool) -> None:
+    """JAX's Pallas splash kernel (run by the Pallas interpreter on CPU) against the dot
+    reference on every real position: outputs and the gradients of q, k and v."""
+    assert_splash_matches_dot(int(packed), packed)
 
 
 @pytest.mark.slow

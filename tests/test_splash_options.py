@@ -3,9 +3,6 @@ search dimensions (nets/splash.py, tuning/space.py)."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from capibara_exp.tuning import space
@@ -17,30 +14,9 @@ def test_smaller_blocks_and_the_fused_backward_match_dot_attention(fused):
     """Blocks of 128 over 256 positions (two per sequence), with and without the fused
     dq/dkv backward kernel (the Pallas interpreter on CPU): values and the gradients of q,
     k and v equal dot attention's on every real position."""
-    from capibara_exp.nets import attention, splash
-    from tests.test_nets import _qkv_and_masks
+    from tests.test_nets import assert_splash_matches_dot
 
-    qkv, tokens, segments, mask = _qkv_and_masks(1, True)
-    real = np.asarray(tokens > 0)[:, :, None, None]
-    kernel_segments = splash.segments_for_splash(tokens, segments)
-
-    def dot(q, k, v):
-        return attention.dot_attention(q, k, v, mask)
-
-    def kernel(q, k, v):
-        return splash.splash_attention(q, k, v, kernel_segments, interpret=True, block=128,
-                                       fused_bwd=fused)
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v), 0.0) ** 2)
-
-    want, got = jax.jit(dot)(*qkv), jax.jit(kernel)(*qkv)
-    assert float(jnp.max(jnp.abs(jnp.where(real, want - got, 0.0)))) < 1e-5
-    grads_want = jax.jit(jax.grad(loss(dot), argnums=(0, 1, 2)))(*qkv)
-    grads_got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(*qkv)
-    for name, a, b in zip("qkv", grads_want, grads_got, strict=True):
-        scale = float(jnp.max(jnp.abs(a)))
-        assert scale > 1.0 and float(jnp.max(jnp.abs(a - b))) < 1e-5 * scale, name
+    assert_splash_matches_dot(1, True, block=128, fused_bwd=fused)
 
 
 def test_block_sizes_are_checked_where_they_are_set():

@@ -199,15 +199,6 @@ def test_t5x_inference_eval_draws_several_samples_and_reports_pass_at_k(
     assert len(predictions) == 2 and all(
         isinstance(p, list) and len(p) == 4 for p in predictions), predictions
     assert any(len(set(p)) > 1 for p in predictions), predictions  # sampled, not one decode
-    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
-    (got,) = [r for r in rows if r["split"] == "inference_eval"]
-    logged = [json.loads(line) for line in (run / "inference_eval" /
-              "capibara_e2b_codegen-metrics.jsonl").read_text().splitlines()]
-    (record,) = [r for r in logged if r["step"] == got["step"]]
-    counts = json.loads(record["pass_counts"])
-    assert len(counts) == 2 and all(n == 4 for n, _ in counts)
-    assert any(0 < c < n for n, c in counts), f"{counts}: pass@k could not tell k apart"
-    for k in (1, 2, 3, 4):
-        want = sum(1 - math.comb(n - c, k) / math.comb(n, k) for n, c in counts) / len(counts)
-        assert math.isclose(got[f"capibara_e2b_codegen/pass@{k}"], want, rel_tol=1e-12,
-                            abs_tol=1e-12), (k, counts)
+    from tests.test_infer_eval import assert_pass_at_k_is_the_estimator
+
+    assert_pass_at_k_is_the_estimator(run)
