@@ -171,7 +171,7 @@ def test_easy_to_hard_stages_read_the_routing_data_by_difficulty(data_dir) -> No
     for difficulty in ("easy", "hard"):
         task = seqio.get_mixture_or_task(routing_difficulty.difficulty_task(difficulty))
         seen = {ex["difficulty"].decode() for ex in task.get_dataset(
-            {"targets": 64}, split="validation", shuffle=False).take(20).as_numpy_iterator()}
+            {"targets": 64}, split="train", shuffle=False).take(20).as_numpy_iterator()}
         assert seen == {difficulty}
     with pytest.raises(ValueError, match="mixture_rates key 'expert' names no task"):
         curriculum.stage_dataset(dataclasses.replace(stage, mixture_rates={"expert": 1.0}), cfg)

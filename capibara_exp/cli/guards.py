@@ -175,14 +175,15 @@ def _remove(path: Path, keep_root: bool) -> None:
     _descriptors_for_cleanup()
     # A library's writer threads (Orbax's async commit) may still be finishing the files of
     # the failed write while the main thread leaves: remove until nothing comes back.
+    # Done when a removal is still complete after a pause (a busy machine slows them).
     for attempt in range(_REMOVE_TRIES):
         _remove_once(path, keep_root)
+        time.sleep(min(0.1 * (attempt + 1), 1.0))
         if not (path.exists() and (not keep_root or any(path.iterdir()))):
             return
-        time.sleep(0.1 * (attempt + 1))
 
 
-_REMOVE_TRIES = 6
+_REMOVE_TRIES = 20
 
 
 def _remove_once(path: Path, keep_root: bool) -> None:

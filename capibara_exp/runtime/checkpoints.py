@@ -164,8 +164,13 @@ class Checkpointer:
             self._write_manifests()
 
     def close(self) -> None:
-        self.wait()
-        self._mgr.close()
+        """Wait for the saves, then stop Orbax's threads, also when a save failed (a full
+        disk): nothing of this manager writes after close returns, so a failed command's
+        cleanup removes what it began for good."""
+        try:
+            self.wait()
+        finally:
+            self._mgr.close()
 
 
 def manager(model_dir: str | Path, keep: int | None = None,
