@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp import environment, gin_actions, gin_bridge, phases
+from capibara_exp import environment, gin_actions, gin_bridge, phases, topologies
 from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.launch import distributed, peers, tpu_vm
 from capibara_exp.paths import CONF_DIR, GIN_DIR
@@ -97,6 +97,8 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None],
     if cfg.engine.name == "tpu_vm":
         return launch_tpu_vm(cfg, run_dir, choices)
     cfg = with_model_dir(cfg, run_dir)
+    # On a TPU host libtpu reads its flags once, when JAX starts it (here, or in T5X's child)
+    topologies.export_libtpu_flags(cfg.get("libtpu_init_args"))
     if cfg.engine.name == "t5x":
         cfg = _t5x_resume(cfg, run_dir)
     os.environ[DATA_DIR_ENV] = str(cfg.data_dir)

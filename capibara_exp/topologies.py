@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 GIB = 1 << 30
@@ -140,6 +141,26 @@ def get(name: str) -> Topology:
         raise ValueError(f"topology: unknown TPU slice '{name}' (known: {', '.join(SLICES)}; "
                          "N slices over DCN: '<N>x<slice>', e.g. 2xv5e-256)")
     return dataclasses.replace(SLICES[single], name=name, num_slices=slices)
+
+
+LIBTPU_FLAGS_ENV = "LIBTPU_INIT_ARGS"
+
+
+def with_libtpu_flags(current: str | None, flags: str | None) -> str | None:
+    """LIBTPU_INIT_ARGS for an experiment's libtpu flags (`libtpu_init_args`): its flags
+    after any the environment already holds; None when neither has any."""
+    current, flags = (current or "").strip(), (flags or "").strip()
+    if flags and (current == flags or current.endswith(" " + flags)):
+        return current  # already there (a second call in this process, or a child's)
+    return " ".join(p for p in (current, flags) if p) or None
+
+
+def export_libtpu_flags(flags: str | None) -> None:
+    """Put an experiment's libtpu flags in this process's LIBTPU_INIT_ARGS (after any it
+    holds), before libtpu starts: it reads them once, and child processes inherit them."""
+    combined = with_libtpu_flags(os.environ.get(LIBTPU_FLAGS_ENV), flags)
+    if combined:
+        os.environ[LIBTPU_FLAGS_ENV] = combined
 
 
 def libtpu_environment(topology: Topology) -> dict[str, str]:

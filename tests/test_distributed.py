@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -132,6 +133,28 @@ def test_tpu_vm_dry_run_writes_the_launch_script(tmp_path, runtime):
     assert "CAPIBARA_DATA_DIR=/mnt/shared/data" in lines[2]
     model_dir = [line for line in gin_text.splitlines() if line.startswith("MODEL_DIR = ")][-1]
     assert "'/mnt/shared/moe_e2b_base/" in model_dir
+
+
+def test_tpu_vm_workers_run_under_the_experiments_libtpu_flags(tmp_path):
+    """The worker command exports the experiment's libtpu flags after any the worker's
+    environment holds; bash runs the exports as written (quoting included)."""
+    flags = "--xla_enable_async_all_gather=true --xla_tpu_megacore_fusion_allow_ags=false"
+    out = subprocess.run([sys.executable, "-m", "capibara_exp.cli", *TPU_VM,
+                          f"libtpu_init_args='{flags}'", "hydra.run.dir=run"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    script = (tmp_path / "run" / "launch_tpu_vm.sh").read_text()
+    job = next(line for line in script.splitlines() if "--command=" in line and "&&" in line)
+    command = next(a for a in shlex.split(job) if a.startswith("--command="))
+    exports = [step for step in command.removeprefix("--command=").split(" && ")
+               if step.startswith("export ")]
+    probe = " && ".join([*exports, 'printf %s "$LIBTPU_INIT_ARGS"'])
+    for before, want in ((None, flags), ("--xla_user_flag=1", f"--xla_user_flag=1 {flags}")):
+        env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
+        if before:
+            env["LIBTPU_INIT_ARGS"] = before
+        got = subprocess.run(["bash", "-c", probe], env=env, capture_output=True, text=True)
+        assert got.stdout == want
 
 
 def test_tpu_vm_settings_errors(tmp_path):

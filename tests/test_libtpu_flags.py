@@ -49,3 +49,27 @@ def test_the_planners_compiles_run_under_the_experiments_flags(flags, compiles):
     else:
         assert out.returncode != 0
         assert "Unknown command line flag 'xla_tpu_no_such_flag_27'" in out.stderr
+
+
+def test_cached_compiles_are_reused_only_under_the_same_flags(tmp_path):
+    """The planner's result cache keys on the compile context (the experiment with its libtpu
+    flags, the compiler versions): a search in the same output dir with other flags compiles
+    again, and the other flags' results stay in the file for when they come back."""
+    from capibara_exp.tuning import plan, search, space
+    from tests.conftest import compose_config
+
+    plain = plan.compile_context(plan.experiment_config(compose_config([])))
+    flagged = plan.compile_context(plan.experiment_config(compose_config(
+        ["libtpu_init_args='--xla_enable_async_all_gather=true'"])))
+    assert plain != flagged
+    cand = space.candidates(4, num_heads=4, num_experts=None, batch_size=8,
+                            num_microbatches=[1], remat_policies=["full"], fsdp=[True])[0]
+    path = tmp_path / plan.CACHE
+    search.Cache(path, plain).put(cand, {"feasible": True, "est_mfu": 0.4})
+    other = search.Cache(path, flagged)
+    assert other.results == {} and other.stale == 1
+    other.put(cand, {"feasible": True, "est_mfu": 0.5})
+    other.rewrite()
+    assert search.Cache(path, plain).results[cand].record["est_mfu"] == 0.4
+    assert search.Cache(path, flagged).results[cand].record["est_mfu"] == 0.5
+    assert search.Cache(path, plain).stale == 1

@@ -18,7 +18,7 @@ from typing import Any
 
 from capibara_exp import topologies
 from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
-from capibara_exp.topologies import Topology
+from capibara_exp.topologies import LIBTPU_FLAGS_ENV, Topology
 
 RUNTIMES = ("t5x", "local")
 SCRIPT = "launch_tpu_vm.sh"
@@ -73,7 +73,12 @@ def worker_command(cfg: Any, gin_path: str, data_dir: str) -> str:
     else:
         run = [e.python, "-m", "capibara_exp.runtime", gin_path, "--distributed=auto"]
     steps = [line for line in str(e.setup).splitlines() if line.strip()]
-    steps += [f"export CAPIBARA_DATA_DIR={shlex.quote(data_dir)}", shlex.join(run)]
+    steps += [f"export CAPIBARA_DATA_DIR={shlex.quote(data_dir)}"]
+    flags = str(cfg.get("libtpu_init_args") or "").strip()
+    if flags:  # the experiment's libtpu flags, after any the worker's environment sets
+        steps += [f'export {LIBTPU_FLAGS_ENV}="${{{LIBTPU_FLAGS_ENV}:+${LIBTPU_FLAGS_ENV} }}"'
+                  f"{shlex.quote(flags)}"]
+    steps += [shlex.join(run)]
     return " && ".join(steps)
 
 

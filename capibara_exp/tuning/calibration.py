@@ -26,7 +26,7 @@ from typing import Any
 
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import profile
+from capibara_exp.tuning import profile, topology
 from capibara_exp.tuning.estimate import FITTED, StepModel, estimate
 from capibara_exp.tuning.profile import StepProfile
 
@@ -173,7 +173,7 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     from capibara_exp import topologies
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.tuning import aot
 
     cfg = compose(experiment)
     target = topologies.get(cfg.topology)
@@ -191,18 +191,9 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
                   target.chips),
               "device_coords": compiled.profiled["device_coords"],
               "fingerprint": fingerprint(cfg),
-              "jax": jax.__version__, "libtpu": _libtpu_version()}
+              "jax": jax.__version__, "libtpu": topology.libtpu_version()}
     (where / f"{experiment}.json").write_text(json.dumps(record) + "\n")
     return record
-
-
-def _libtpu_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("libtpu")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def load_points(where: Path = DATA_DIR) -> list[Point]:

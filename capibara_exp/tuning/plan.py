@@ -37,6 +37,16 @@ def experiment_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
+def compile_context(base: DictConfig) -> dict[str, Any]:
+    """What every candidate's compile depends on besides the candidate: the experiment as
+    composed (its libtpu flags included) and the compiler's versions. The result cache
+    reuses only what was compiled under the same context."""
+    import jax
+
+    return {"experiment": OmegaConf.to_container(base, resolve=False),
+            "jax": jax.__version__, "libtpu": topology.libtpu_version()}
+
+
 def target(name: str, dtype: str, libtpu_init_args: str | None = None
            ) -> tuple[list[Any], Chip, str]:
     """(devices, chip figures, description) for a topology name or the local devices; a
@@ -209,7 +219,11 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
     slices = 1 if cfg.topology in LOCAL else topologies.get(cfg.topology).num_slices
     cands = build_candidates(cfg, len(devices), slices, cfg.topology in LOCAL)
     logging.getLogger("capibara_exp.tune_mesh").info("%d candidates on %s", len(cands), where)
-    cache = search.Cache(out_dir / CACHE)
+    cache = search.Cache(out_dir / CACHE, compile_context(base))
+    if cache.stale:
+        print(f"capibara-exp-tune-mesh: {cache.stale} cached result(s) in {out_dir / CACHE} "
+              "were compiled under other settings (experiment, libtpu flags or versions): "
+              "not reused", file=sys.stderr)
     reprofile(cache, out_dir, len(devices), chip)
     pool, workers = _pool(cfg)
     with pool as compile_pool:

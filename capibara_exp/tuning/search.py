@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -60,33 +61,59 @@ Evaluate = Callable[[Candidate], concurrent.futures.Future]
 
 
 class Cache:
-    """Compile results by candidate, in a JSON-lines file: a re-run compiles nothing twice."""
+    """Compile results by candidate, in a JSON-lines file: a re-run compiles nothing twice.
 
-    def __init__(self, path: Path | None):
+    `context` is what every compile of the search depends on besides the candidate (the
+    experiment, its libtpu flags, the JAX and libtpu versions: plan.compile_context); a row
+    written under another context (or none) is kept in the file but not reused, so changing
+    the flags in the same output dir compiles again instead of reading stale figures.
+    Without a context (reading a cache to inspect it) every row is read."""
+
+    def __init__(self, path: Path | None, context: dict[str, Any] | None = None):
         self.path = path
+        self.context = None if context is None else _digest(context)
         self.results: dict[Candidate, Result] = {}
+        self._row_context: dict[Candidate, str | None] = {}
+        self._others: list[str] = []  # rows of other contexts, kept as they were
         if path and path.exists():
             for line in path.read_text().splitlines():
                 row = json.loads(line)
+                if self.context is not None and row.get("context") != self.context:
+                    self._others.append(line)
+                    continue
                 cand = Candidate(**row["candidate"])
                 self.results[cand] = Result(cand, row["record"])
+                self._row_context[cand] = row.get("context")
+
+    @property
+    def stale(self) -> int:
+        """How many kept rows were compiled under another context (not reused)."""
+        return len(self._others)
+
+    def _line(self, cand: Candidate, record: dict[str, Any]) -> str:
+        return json.dumps({"candidate": dataclasses.asdict(cand), "record": record,
+                           "context": self._row_context.get(cand, self.context)}) + "\n"
 
     def rewrite(self) -> None:
         """Write every result again (after records were updated in place)."""
         if self.path:
-            self.path.write_text("".join(
-                json.dumps({"candidate": dataclasses.asdict(c), "record": r.record}) + "\n"
-                for c, r in self.results.items()))
+            self.path.write_text("".join(line + "\n" for line in self._others) + "".join(
+                self._line(c, r.record) for c, r in self.results.items()))
 
     def put(self, cand: Candidate, record: dict[str, Any]) -> Result:
         """Keep a new result, in memory and at the end of the file (so a search that is
         interrupted loses no compile that finished)."""
         self.results[cand] = Result(cand, record)
+        self._row_context[cand] = self.context
         if self.path:
             with self.path.open("a") as f:
-                f.write(json.dumps({"candidate": dataclasses.asdict(cand),
-                                    "record": record}) + "\n")
+                f.write(self._line(cand, record))
         return self.results[cand]
+
+
+def _digest(context: dict[str, Any]) -> str:
+    blob = json.dumps(context, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 # The candidate's parts the study samples, each as an index into its sorted values, so TPE

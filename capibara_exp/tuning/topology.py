@@ -13,11 +13,20 @@ import os
 from typing import Any
 
 from capibara_exp.errors import ConfigError
-from capibara_exp.topologies import Topology, libtpu_environment
+from capibara_exp.topologies import Topology, export_libtpu_flags, libtpu_environment
 
 
 def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
+
+
+def libtpu_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 INSTALL_HINT = ("compiling for a TPU topology needs libtpu: `pip install 'capibara-exp[tpu]'` "
@@ -31,8 +40,7 @@ def devices(topology: Topology, libtpu_init_args: str | None = None) -> list[Any
     if not libtpu_installed():
         raise ConfigError(INSTALL_HINT)  # the user's install to fix: exit 2, one line
     os.environ.update(libtpu_environment(topology))
-    if libtpu_init_args:
-        os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args
+    export_libtpu_flags(libtpu_init_args)
     from jax.experimental import topologies
 
     kwargs = dict(topology.libtpu_options)
