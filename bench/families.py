@@ -22,7 +22,6 @@ from step_time import bare_loop, compose
 
 def model_and_batch(overrides: list[str], model_dir: Path):
     import gin
-
     from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils, inputs
 
@@ -71,7 +70,8 @@ def main() -> None:
         t5_keys = OmegaConf.to_container(t5_cfg.model, resolve=True)
         l_keys = OmegaConf.to_container(l_cfg.model, resolve=True)
         llama.append(f"model.mlp_dim={matching_mlp(t5_keys, l_keys)}")
-        for name, overrides in (("T5-style (dense_tiny)", t5), ("Llama-style (llama3_tiny)", llama)):
+        styles = (("T5-style (dense_tiny)", t5), ("Llama-style (llama3_tiny)", llama))
+        for name, overrides in styles:
             cfg, model, batch = model_and_batch(overrides, Path(tmp) / name[:5])
             keys = OmegaConf.to_container(cfg.model, resolve=True)
             seconds, flops = bare_loop(model, batch, args.steps)

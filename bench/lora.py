@@ -103,9 +103,9 @@ def build(mode: str, experiment: str, base_dir: Path, tpu: str | None):
     shapes only for a TPU topology. Mode 'base' writes the checkpoint the LoRA modes read."""
     import jax
 
+    from capibara_exp import topologies
     from capibara_exp.runtime import checkpoints
     from capibara_exp.runtime import state as run_state
-    from capibara_exp import topologies
     from capibara_exp.tuning import aot, topology
 
     extra = {"lora": LORA, "qlora": QLORA}.get(mode, [])

@@ -210,8 +210,9 @@ def median_run(runs: list[dict]) -> dict:
         out[kind] = dict(runs[0][kind], step_s=step_s,
                          tokens_per_s=runs[0][kind]["tokens"] / step_s)
     if "microbatch" in runs[0]:
-        out["microbatch"] = {kind: {n: statistics.median(r["microbatch"][kind][n] for r in runs)
-                                    for n in times} for kind, times in runs[0]["microbatch"].items()}
+        out["microbatch"] = {
+            kind: {n: statistics.median(r["microbatch"][kind][n] for r in runs) for n in times}
+            for kind, times in runs[0]["microbatch"].items()}
     return out
 
 

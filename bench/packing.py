@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
 from capibara_exp.kernels import packing, packing_ref
 
 PACKERS = ("pack_first_fit", "pack_next_fit")
@@ -114,9 +113,11 @@ def main() -> None:
     for name in PACKERS:
         kernel, reference = getattr(packing, name), getattr(packing_ref, name)
         outputs[name] = kernel(tokens, lengths, length)  # also the first, cold call
-        one_call_s[name] = best_seconds(lambda: kernel(tokens, lengths, length), repeats)
-        ref_s = best_seconds(lambda: reference(tokens, lengths, length), max(1, repeats // 2))
-        floor_s = best_seconds(lambda: write_outputs(outputs[name][0].shape[0], length), repeats)
+        one_call_s[name] = best_seconds(lambda k=kernel: k(tokens, lengths, length), repeats)
+        ref_s = best_seconds(lambda r=reference: r(tokens, lengths, length),
+                             max(1, repeats // 2))
+        floor_s = best_seconds(lambda rows=outputs[name][0].shape[0]: write_outputs(rows, length),
+                               repeats)
         print(f"  {name:15s} kernel {n / one_call_s[name]:11,.0f} ex/s   reference "
               f"{n / ref_s:9,.0f} ex/s   ratio {ref_s / one_call_s[name]:5.1f}x (goal >= 20x)   "
               f"kernel {one_call_s[name] * 1e3:5.1f} ms = {one_call_s[name] / floor_s:.2f}x "

@@ -38,7 +38,8 @@ def compose(overrides: list[str], model_dir: Path):
 
 def bare_loop(model, batch: dict, steps: int) -> tuple[float, float]:
     """(median seconds per step, FLOPs per step) of a minimal jitted train step."""
-    variables = model.get_initial_variables(jax.random.PRNGKey(0), *batch["decoder_target_tokens"].shape)
+    shape = batch["decoder_target_tokens"].shape
+    variables = model.get_initial_variables(jax.random.PRNGKey(0), *shape)
     params = variables["params"]
     tx = model.optimizer_def.optax_optimizer
     opt_state = tx.init(params)
@@ -83,12 +84,14 @@ def main() -> None:
         path = experiment.write_gin(cfg, model_dir, {})
         gin_utils.parse(path)
         model = gin.query_parameter("train_script.train.model").scoped_configurable_fn()
-        train_cfg = gin.query_parameter("train_script.train.train_dataset_cfg").scoped_configurable_fn()
+        train_ref = gin.query_parameter("train_script.train.train_dataset_cfg")
+        train_cfg = train_ref.scoped_configurable_fn()
         batch = next(inputs.batches(train_cfg, model.FEATURE_CONVERTER_CLS, seed=0))
         bare_s, flops = bare_loop(model, batch, steps)
 
         gin_utils.run_train(path)
-        records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+        lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
         train_records = [r for r in records if r["split"] == "train"]
         runtime_s = train_records[-1]["step_time_s"]
         data_wait = train_records[-1]["data_wait_share"]

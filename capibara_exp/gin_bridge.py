@@ -125,7 +125,8 @@ def to_gin_literal(value: object, where: str = "value") -> str:
     raise ConfigError(f"{where}: {type(value).__name__} value {value!r} cannot be written in gin")
 
 
-def load_template(name: str, group: str, templates_dir: Path, _seen: tuple[str, ...] = ()) -> Template:
+def load_template(name: str, group: str, templates_dir: Path,
+                  _seen: tuple[str, ...] = ()) -> Template:
     """Read gin/<name> and inline its `include` lines (each file once, cycles are errors)."""
     path = templates_dir / name
     if name in _seen:
@@ -151,7 +152,8 @@ def _container(node: object) -> object:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig,)) else node
 
 
-def render_body(cfg: DictConfig, templates_dir: Path, sources: Mapping[str, str] | None = None) -> str:
+def render_body(cfg: DictConfig, templates_dir: Path,
+                sources: Mapping[str, str] | None = None) -> str:
     """The engine-independent part of config.gin: templates, then macro values, then extras."""
     sources = dict(sources or {})
     missing = OmegaConf.missing_keys(cfg)
@@ -308,20 +310,22 @@ def _check_actions(templates: list[Template]) -> None:
 def _add_macro(values: dict, key: str, value: object, source: str) -> None:
     macro = key.split(".")[-1].upper()
     if macro in values:
-        raise ConfigError(f"keys '{values[macro][0]}' and '{key}' both set gin macro {macro} ({source})")
+        raise ConfigError(f"keys '{values[macro][0]}' and '{key}' both set gin macro {macro} "
+                          f"({source})")
     values[macro] = (key, value)
 
 
 def header(engine: str) -> str:
     """The import header of config.gin for an engine."""
     if engine not in ENGINE_HEADERS:
-        raise ConfigError(f"engine.name: unknown engine '{engine}' (choose from {sorted(ENGINE_HEADERS)})")
+        raise ConfigError(f"engine.name: unknown engine '{engine}' "
+                          f"(choose from {sorted(ENGINE_HEADERS)})")
     lines = ["from __gin__ import dynamic_registration", *ENGINE_HEADERS[engine], *COMMON_IMPORTS]
     return "\n".join(lines) + "\n"
 
 
-def render(cfg: DictConfig, engine: str, templates_dir: Path, sources: Mapping[str, str] | None = None,
-           title: str = "") -> str:
+def render(cfg: DictConfig, engine: str, templates_dir: Path,
+           sources: Mapping[str, str] | None = None, title: str = "") -> str:
     """The whole config.gin: a comment, the engine's header, and the shared body."""
     chosen = [g for g in LOCAL_ONLY_GROUPS if cfg.get(g) is not None]
     if engine != "local" and chosen:

@@ -49,7 +49,6 @@ def test_checksum_action_is_bound_identically_for_both_engines(tmp_path, choice,
     """T5X writes no checksum manifests: every run binds an action that does (consensus
     choices add theirs), with the same gin under both engines."""
     import gin
-
     from capibara_exp import gin_bridge
     from capibara_exp.paths import GIN_DIR
 

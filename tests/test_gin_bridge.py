@@ -197,7 +197,8 @@ def test_missing_mandatory_value_names_key() -> None:
 
 def test_required_macro_without_value_names_template_and_key() -> None:
     cfg = compose_config(["~model.mlp_dim"])
-    with pytest.raises(ConfigError, match=r"gin/models/decoder_only.gin requires MLP_DIM: set model.mlp_dim"):
+    want = r"gin/models/decoder_only.gin requires MLP_DIM: set model.mlp_dim"
+    with pytest.raises(ConfigError, match=want):
         gin_bridge.render(cfg, "local", GIN_DIR)
 
 

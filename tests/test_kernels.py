@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from capibara_exp.kernels import segment_stats, segment_stats_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from capibara_exp.kernels import segment_stats, segment_stats_ref
 
 
 def test_kernel_is_the_compiled_extension() -> None:

@@ -311,7 +311,7 @@ TINY = ["experiment=moe_e2b_tiny", "debug=fast", "model.emb_dim=32", "model.num_
 
 
 def test_router_labels_follow_their_segments_on_the_routing_mixture(
-        built, monkeypatch: pytest.MonkeyPatch) -> None:
+        built, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 (a fixture)
     # Real batches of the small routing build: every labelled token belongs to a segment
     # (and every segment token has a label), one label per segment, and a segment that
     # starts an example carries the label of the domain its text header names.
@@ -349,7 +349,7 @@ def test_router_labels_follow_their_segments_on_the_routing_mixture(
 
 
 def test_router_labels_need_a_kernel_packer_and_an_integer_feature(
-        built, monkeypatch: pytest.MonkeyPatch) -> None:
+        built, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 (a fixture)
     from capibara_exp.data import packing, routing_tasks
     from capibara_exp.runtime import inputs
     from capibara_exp.runtime.config import DatasetConfig
@@ -376,7 +376,7 @@ def test_router_labels_need_a_kernel_packer_and_an_integer_feature(
 
 @pytest.mark.slow
 def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
-        tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     # The experiment's own data (a small build of the routing mixture), debug=fast, EMA
     # (the MoE trainer takes the local engine's features like the dense one) and router
     # supervision from the domain labels; then the plot command draws the expert panels.

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from capibara_exp.kernels import packing, packing_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capibara_exp.data.packing import Packer
-from capibara_exp.kernels import packing, packing_ref
 
 PACKERS = ("pack_first_fit", "pack_next_fit")
 

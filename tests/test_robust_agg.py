@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from capibara_exp.kernels import robust_agg, robust_agg_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from capibara_exp.kernels import robust_agg, robust_agg_ref
 
 # Finite values, NaNs and infinities in every mix; up to 12 candidates.
 _VALUES = st.one_of(st.floats(-1e6, 1e6, width=32), st.just(float("nan")),

@@ -16,5 +16,6 @@ def test_torture_small(tmp_path, data_dir) -> None:
     tally = torture.torture(tmp_path, torture.SMALL, seed=random.Random().randrange(1000))
     assert tally.failed == 0, tally.table()
     for case in ("kill -9, bitwise resume", "bit flip detected, fallback", "NaN never saved",
-                 "SIGTERM/SIGINT loses no step", "bad merge parameter", "no non-finite state written"):
+                 "SIGTERM/SIGINT loses no step", "bad merge parameter",
+                 "no non-finite state written"):
         assert tally.results[case] and all(tally.results[case]), case

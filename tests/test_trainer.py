@@ -30,7 +30,8 @@ def make_model() -> models.DecoderOnlyModel:
 
 def batch() -> dict:
     tokens = jax.random.randint(jax.random.PRNGKey(3), (BATCH, LENGTH), 1, 64)
-    segments = jnp.concatenate([jnp.ones((BATCH, 10), jnp.int32), 2 * jnp.ones((BATCH, 6), jnp.int32)], 1)
+    segments = jnp.concatenate(
+        [jnp.ones((BATCH, 10), jnp.int32), 2 * jnp.ones((BATCH, 6), jnp.int32)], 1)
     positions = jnp.concatenate([jnp.arange(10), jnp.arange(6)])[None].repeat(BATCH, 0)
     return {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
             "decoder_segment_ids": segments, "decoder_positions": positions,
@@ -78,5 +79,6 @@ def test_microbatching_gives_the_full_batch_gradient_step(num_microbatches: int)
 
 def test_batch_not_divisible_by_microbatches_is_an_error() -> None:
     trainer, _ = trainer_and_state(make_model(), 3)
-    with pytest.raises(ValueError, match=r"batch size 4 does not divide by trainer.Trainer.num_microbatches=3"):
+    want = r"batch size 4 does not divide by trainer.Trainer.num_microbatches=3"
+    with pytest.raises(ValueError, match=want):
         trainer.check_batch_size(BATCH)

@@ -95,7 +95,8 @@ class SaveCheckpointConfig:
                            state_transformation_fns=tuple(self.state_transformation_fns),
                            checkpoint_manager_cls=self.checkpoint_manager_cls)
         if self.keep is not None and self.keep < 1:
-            raise ValueError(f"utils.SaveCheckpointConfig.keep must be >= 1 or None, got {self.keep}")
+            raise ValueError("utils.SaveCheckpointConfig.keep must be >= 1 or None, "
+                             f"got {self.keep}")
         steps = self.checkpoint_steps
         if steps is not None and (isinstance(steps, (str, Mapping)) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in steps)):
@@ -221,7 +222,8 @@ def create_learning_rate_scheduler(
     names = tuple(n.strip() for n in factors.split("*"))
     for name in names:
         if name not in _FACTORS:
-            raise ValueError(f"utils.create_learning_rate_scheduler.factors: unknown factor '{name}' "
+            raise ValueError("utils.create_learning_rate_scheduler.factors: unknown factor "
+                             f"'{name}' "
                              f"(known: {', '.join(_FACTORS)})")
     return Schedule(names, {
         "base_learning_rate": float(base_learning_rate), "warmup_steps": float(warmup_steps),

@@ -35,7 +35,8 @@ def summarize_gin_config(model_dir: str, summary_writer: Any, step: int) -> None
     text = gin.operative_config_str()
     Path(model_dir, OPERATIVE_CONFIG).write_text(text)
     if summary_writer is not None:
-        summary_writer.text(step, "train", "operative_config", "    " + text.replace("\n", "\n    "))
+        indented = "    " + text.replace("\n", "\n    ")
+        summary_writer.text(step, "train", "operative_config", indented)
 
 
 def origin(gin_text: str, lineno: int) -> str:

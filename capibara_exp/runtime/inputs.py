@@ -240,7 +240,8 @@ def _check_label_feature(cfg: DatasetConfig, spec: dict, feature: str) -> None:
     if feature not in spec:
         raise ValueError(f"{where}: the examples have no such feature (features: {sorted(spec)})")
     if spec[feature].shape.rank != 0 or not spec[feature].dtype.is_integer:
-        raise ValueError(f"{where}: must be one integer per example, got {spec[feature].dtype.name} "
+        raise ValueError(f"{where}: must be one integer per example, got "
+                         f"{spec[feature].dtype.name} "
                          f"of shape {spec[feature].shape}")
 
 

@@ -153,7 +153,8 @@ class Trainer:
         are the local engine's own (T5X has neither EMA weights nor a skip-step policy)."""
         reject_unsupported("trainer.Trainer", weight_metrics_computer=weight_metrics_computer)
         if num_microbatches is not None and num_microbatches < 1:
-            raise ValueError(f"trainer.Trainer.num_microbatches must be >= 1, got {num_microbatches}")
+            raise ValueError("trainer.Trainer.num_microbatches must be >= 1, "
+                             f"got {num_microbatches}")
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"trainer.Trainer.ema_decay must be in [0, 1), got {ema_decay}")
         if max_consecutive_skips < 1:
@@ -232,12 +233,14 @@ class Trainer:
             grads_acc, sums_acc = carry
             mb, index = mb_and_index
             (_, sums), grads = grad_fn(params, mb, jax.random.fold_in(rng, index))
-            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+            added = jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)
+            return added, None
 
         micro = _split_microbatches(batch, self.num_microbatches)
         first = jax.tree.map(lambda x: x[0], micro)
         zeros_g = jax.tree.map(jnp.zeros_like, params)
-        zeros_s = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: grad_fn(params, first, rng)[0][1]))
+        sums_shape = jax.eval_shape(lambda: grad_fn(params, first, rng)[0][1])
+        zeros_s = jax.tree.map(jnp.zeros_like, sums_shape)
         (grads, sums), _ = jax.lax.scan(body, (zeros_g, zeros_s),
                                         (micro, jnp.arange(self.num_microbatches)))
         return grads, sums
