@@ -1,0 +1,67 @@
+"""Hydra's own flags on every console script that is a Hydra app: `--cfg job|hydra|all`
+(with `--resolve`, `--package`), `--info`, `--help` and `--hydra-help` print what Hydra's app
+for that script's config prints, run no job, write nothing, and load no JAX, TensorFlow or
+SeqIO. The reference is a bare `hydra.main` app over the same config and argv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("jax", "tensorflow", "seqio", "flax")
+
+# script module: (its config, the values it must be given, what its command line adds)
+HYDRA_SCRIPTS = {
+    "main": ("config", [], []),
+    "data": ("data_build", [], []),
+    "merge": ("merge", ["runs=[a]", "out=merged"], []),
+    "tune_mesh": ("config", [], ["+tune_mesh=default"]),
+    "meta": ("meta", ["out=meta_out"], []),
+}
+FLAGS = [["--cfg", "job"], ["--cfg", "hydra", "--resolve", "--package", "hydra.job"],
+         ["--cfg", "all"], ["--info", "defaults"], ["--help"], ["--hydra-help"]]
+
+OURS = ("import sys\n"
+        "from capibara_exp.cli import {script} as cli\n"
+        "sys.argv = ['capibara-exp-{script}', *sys.argv[1:]]\n"
+        "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+        "sys.stdout.flush()\n"
+        "print('HEAVY', sorted(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)\n"
+        "sys.exit(code)\n")
+HYDRA = ("import sys, hydra\n"
+         "from capibara_exp.cli.common import register_sweeper\n"
+         "from capibara_exp.paths import CONF_DIR\n"
+         "from capibara_exp.resolvers import register_resolvers\n"
+         "register_resolvers()\nregister_sweeper()\n"
+         "sys.argv = ['capibara-exp-{script}', *sys.argv[1:]]\n"
+         "@hydra.main(config_path=str(CONF_DIR), config_name='{config}', version_base='1.3')\n"
+         "def task(cfg):\n    print('THE JOB RAN')\n"
+         "task()\n")
+
+
+def run(program: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPIBARA")}
+    return subprocess.run([sys.executable, "-c", program, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: " ".join(f))
+@pytest.mark.parametrize("script", sorted(HYDRA_SCRIPTS))
+def test_hydra_flags_answer_as_hydra_does(script: str, flags: list[str],
+                                          tmp_path: Path) -> None:
+    config, values, added = HYDRA_SCRIPTS[script]
+    # --hydra-help composes Hydra's config alone: the app's keys are not overrides there
+    args = [*flags, *([] if flags == ["--hydra-help"] else values)]
+    (tmp_path / "a").mkdir()
+    theirs = run(HYDRA.format(script=script, config=config), [*args, *added], tmp_path)
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    assert "THE JOB RAN" not in theirs.stdout  # (a flag Hydra answers alone)
+    ours = run(OURS.format(script=script, heavy=HEAVY), args, tmp_path)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert ours.stdout == theirs.stdout
+    assert "HEAVY []" in ours.stderr, ours.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]  # no run dir, no out, no .hydra
