@@ -22,7 +22,7 @@ HYDRA_SCRIPTS = {
     "tune_mesh": ("config", [], ["+tune_mesh=default"]),
     "meta": ("meta", ["out=meta_out"], []),
 }
-FLAGS = [["--cfg", "job"], ["--cfg", "hydra", "--resolve", "--package", "hydra.job"],
+FLAGS = [["--info"], ["--cfg", "job"], ["--cfg", "hydra", "--resolve", "--package", "hydra.job"],
          ["--cfg", "all"], ["--info", "defaults"], ["--help"], ["--hydra-help"]]
 
 OURS = ("import sys\n"
@@ -36,7 +36,9 @@ HYDRA = ("import sys, hydra\n"
          "from capibara_exp.cli.common import register_sweeper\n"
          "from capibara_exp.paths import CONF_DIR\n"
          "from capibara_exp.resolvers import register_resolvers\n"
-         "register_resolvers()\nregister_sweeper()\n"
+         "register_resolvers()\n"
+         "if '{script}' == 'main':  # (its sweeper; --info lists the plugins)\n"
+         "    register_sweeper()\n"
          "sys.argv = ['capibara-exp-{script}', *sys.argv[1:]]\n"
          "@hydra.main(config_path=str(CONF_DIR), config_name='{config}', version_base='1.3')\n"
          "def task(cfg):\n    print('THE JOB RAN')\n"
@@ -55,9 +57,12 @@ def test_hydra_flags_answer_as_hydra_does(script: str, flags: list[str],
                                           tmp_path: Path) -> None:
     config, values, added = HYDRA_SCRIPTS[script]
     # --hydra-help composes Hydra's config alone: the app's keys are not overrides there
-    args = [*flags, *([] if flags == ["--hydra-help"] else values)]
+    values = [] if flags == ["--hydra-help"] else values
+    args = [*flags, *values]
     (tmp_path / "a").mkdir()
-    theirs = run(HYDRA.format(script=script, config=config), [*args, *added], tmp_path)
+    # Hydra's argv with the flags last (a bare --info would take the next override as its
+    # value: the scripts hand Hydra their overrides first)
+    theirs = run(HYDRA.format(script=script, config=config), [*values, *added, *flags], tmp_path)
     assert theirs.returncode == 0, theirs.stderr[-2000:]
     assert "THE JOB RAN" not in theirs.stdout  # (a flag Hydra answers alone)
     ours = run(OURS.format(script=script, heavy=HEAVY), args, tmp_path)
