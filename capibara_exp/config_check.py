@@ -38,6 +38,7 @@ class Composition:
     # Computes `setters` when a message first needs them (they cost another walk of the
     # defaults list, which a config without mistakes never pays).
     trace: Callable[[], dict[str, str]] | None = None
+    cache_key: str | None = None  # its entry in cli/compose_cache.py, if it may be kept
 
     def setter(self, key: str) -> str:
         """Who set `key` (or its nearest parent)."""

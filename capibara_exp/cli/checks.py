@@ -34,8 +34,10 @@ def compose_checked(line: CommandLine, config_name: str,
             given = list(first.cfg.get(key) or []) + list(getattr(line, key))
             if given:
                 overrides.append(override(key, [_absolute_gin_file(key, v) for v in given]))
-    comp = composing.compose(config_name, overrides, line.config_dirs, line.multirun)
+    comp = composing.compose(config_name, overrides, line.config_dirs, line.multirun,
+                             cached=True)
     config_check.check(comp)
+    composing.keep(comp)  # its values pass: the next command with this line reuses it
     return comp, overrides
 
 

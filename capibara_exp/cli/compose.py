@@ -18,11 +18,13 @@ import yaml
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import setup_globals
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from capibara_exp.cli import compose_cache
 from capibara_exp.config_check import (
     COMMAND_LINE,
     Composition,
@@ -41,18 +43,47 @@ def search_dirs(extra: list[Path]) -> list[Path]:
 
 
 def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
-            multirun: bool = False) -> Composition:
-    """The config Hydra will compose for this command line; ConfigError if it cannot."""
+            multirun: bool = False, cached: bool = False) -> Composition:
+    """The config Hydra will compose for this command line; ConfigError if it cannot.
+    `cached`: reuse the composition an earlier command kept for the same inputs
+    (compose_cache.py; the caller keeps one with `keep` once its checks pass)."""
     dirs = search_dirs(extra_dirs)
     for d in dirs[: len(extra_dirs)]:
         if not d.is_dir():
             raise ConfigError(f"--config-dir {d}: no such directory")
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     given = _with_search_path(overrides, dirs[: len(extra_dirs)])
+    key = compose_cache.key(config_name, given, dirs, multirun) \
+        if cached and compose_cache.enabled() else None
+    cfg = compose_cache.load(key) if key else None
+    if cfg is None:
+        cfg = _hydra_compose(config_name, given, mode, overrides, dirs)
+    else:  # the resolvers Hydra registers when it starts (${now:...}, ${hydra:...})
+        setup_globals()
+    choices = dict(cfg.hydra.runtime.choices)
+
+    def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
+            loader = GlobalHydra.instance().config_loader()
+            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
+        return _setters(config_name, choices, defaults, overrides, dirs)
+
+    return Composition(config_name, cfg, choices, {}, definitions(config_name, choices, dirs),
+                       dirs, trace, key)
+
+
+def keep(comp: Composition) -> None:
+    """Keep a composition (one made with `cached`) for the next command with its inputs."""
+    if comp.cache_key:
+        compose_cache.store(comp.cache_key, comp.cfg)
+
+
+def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides: list[str],
+                   dirs: list[Path]) -> DictConfig:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
         loader = GlobalHydra.instance().config_loader()
         try:
-            cfg = loader.load_configuration(config_name, given, mode, from_shell=True)
+            return loader.load_configuration(config_name, given, mode, from_shell=True)
         except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
                 yaml.YAMLError) as err:
             raise ConfigError(_composition_error(err, config_name, dirs)) from None
@@ -64,16 +95,6 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
             # must be a string or a list"; a 5,000-digit integer; a key too long for a
             # file name) and unreadable config files: what the user typed or wrote.
             raise ConfigError(_bad_group_value(overrides, dirs) or _odd_input(err)) from None
-    choices = dict(cfg.hydra.runtime.choices)
-
-    def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
-            loader = GlobalHydra.instance().config_loader()
-            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
-        return _setters(config_name, choices, defaults, overrides, dirs)
-
-    return Composition(config_name, cfg, choices, {}, definitions(config_name, choices, dirs),
-                       dirs, trace)
 
 
 def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:

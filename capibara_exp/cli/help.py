@@ -31,7 +31,8 @@ def wants_help(line: CommandLine) -> bool:
 
 def render(config_name: str, line: CommandLine) -> str:
     """The app's help text for a command line (its overrides apply, as in Hydra)."""
-    comp = composing.compose(config_name, list(line.overrides), line.config_dirs)
+    comp = composing.compose(config_name, list(line.overrides), line.config_dirs, cached=True)
+    composing.keep(comp)
     cfg = comp.cfg
     template = string.Template(OmegaConf.select(cfg, "hydra.help.template"))
     app = OmegaConf.to_container(cfg, resolve=False)
