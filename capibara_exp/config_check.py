@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp import config_schema, cross_rules
+from capibara_exp import config_schema
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
 
@@ -96,6 +96,8 @@ def did_you_mean(name: str, candidates: Any) -> str:
 
 def check(comp: Composition) -> None:
     """Raise ConfigError (one line) for the first problem of the composed config."""
+    from capibara_exp import cross_rules  # (not for a command line refused while composing)
+
     raw = OmegaConf.to_container(comp.cfg, resolve=False)
     raw.pop("hydra", None)
     keys = flatten(comp.config_name, raw)
