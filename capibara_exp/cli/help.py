@@ -79,7 +79,5 @@ def plain_job_config(line: CommandLine) -> bool:
 
 
 def job_config(cfg: object) -> str:
-    """Hydra's `--cfg job` text for a composed config."""
-    app = OmegaConf.to_container(cfg, resolve=False)
-    app.pop("hydra", None)
-    return OmegaConf.to_yaml(OmegaConf.create(app))
+    """Hydra's `--cfg job` text for a composed config (its keys but `hydra`, unresolved)."""
+    return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
