@@ -70,3 +70,17 @@ def test_hydra_flags_answer_as_hydra_does(script: str, flags: list[str],
     assert ours.stdout == theirs.stdout
     assert "HEAVY []" in ours.stderr, ours.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir()] == ["a"]  # no run dir, no out, no .hydra
+
+
+@pytest.mark.parametrize("script", ["merge", "meta"])
+def test_cfg_job_shows_the_values_to_give_as_hydra_does(script: str, tmp_path: Path) -> None:
+    """--cfg job without the mandatory values (`???`) prints them, as Hydra does; the run
+    itself still refuses the line."""
+    config, _, _ = HYDRA_SCRIPTS[script]
+    theirs = run(HYDRA.format(script=script, config=config), ["--cfg", "job"], tmp_path)
+    ours = run(OURS.format(script=script, heavy=HEAVY), ["--cfg", "job"], tmp_path)
+    assert theirs.returncode == ours.returncode == 0, ours.stderr[-2000:]
+    assert ours.stdout == theirs.stdout and "???" in ours.stdout
+    refused = run(OURS.format(script=script, heavy=HEAVY), [], tmp_path)
+    assert refused.returncode == 2 and "missing mandatory value (???)" in refused.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -39,7 +39,7 @@ def compose_checked(line: CommandLine, config_name: str,
                 overrides.append(override(key, [_absolute_gin_file(key, v) for v in given]))
     comp = composing.compose(config_name, overrides, line.config_dirs, line.multirun,
                              cached=True)
-    config_check.check(comp)
+    config_check.check(comp, missing_ok=line.shows_config)  # --cfg shows ??? as Hydra does
     composing.keep(comp)  # its values pass: the next command with this line reuses it
     return comp, overrides
 
