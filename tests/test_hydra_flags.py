@@ -84,3 +84,15 @@ def test_cfg_job_shows_the_values_to_give_as_hydra_does(script: str, tmp_path: P
     refused = run(OURS.format(script=script, heavy=HEAVY), [], tmp_path)
     assert refused.returncode == 2 and "missing mandatory value (???)" in refused.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", sorted(HYDRA_SCRIPTS))
+def test_a_mistake_found_composing_is_one_line_without_heavy_imports(script: str,
+                                                                      tmp_path: Path) -> None:
+    _, values, _ = HYDRA_SCRIPTS[script]
+    out = run(OURS.format(script=script, heavy=HEAVY), [*values, "no_such_key=1"], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    first, heavy = out.stderr.splitlines()
+    prog = {"main": "capibara-exp"}.get(script, f"capibara-exp-{script.replace('_', '-')}")
+    assert first.startswith(f"{prog}: configuration error: unknown key 'no_such_key'"), first
+    assert heavy == "HEAVY []" and list(tmp_path.iterdir()) == []
