@@ -90,3 +90,40 @@ def test_an_unreadable_entry_is_composed_again(cache_home: Path) -> None:
     (cache_home / f"{key}.pickle").write_bytes(b"not a pickle")
     assert checked().cfg.model.emb_dim == 128
     assert compose_cache.load(key) is not None  # written anew
+
+
+TYPOS = [["model.emb_dm=64"], ["experiment=dense_small_rope", "trainer.train_steps=5",
+                               "model.emb_dm=64"], ["model.nope.x=1"], ["nme=foo"],
+         ["model.emb_dim=96", "optimizer.lr=1"]]
+
+
+@pytest.mark.parametrize("args", TYPOS, ids=" ".join)
+def test_a_key_typo_is_refused_from_the_kept_rest_of_the_line(
+        args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the rest of the line kept composed, a key the config lacks is refused without
+    composing again, in the words Hydra's refusal gets."""
+    with pytest.raises(ConfigError) as hydras:
+        composing.compose("config", args, [])  # not cached: Hydra composes and refuses
+    checked(*[a for a in args if a.split("=")[0] in ("experiment",)])  # the rest, kept
+    composed = []
+    real = composing._hydra_compose
+    monkeypatch.setattr(composing, "_hydra_compose", lambda *a: composed.append(a) or real(*a))
+    with pytest.raises(ConfigError) as ours:
+        checked(*args)
+    assert str(ours.value) == str(hydras.value)
+    assert composed == []
+
+
+def test_without_the_rest_kept_or_with_known_keys_hydra_composes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    composed = []
+    real = composing._hydra_compose
+    monkeypatch.setattr(composing, "_hydra_compose", lambda *a: composed.append(a) or real(*a))
+    with pytest.raises(ConfigError, match="unknown key 'model.emb_dm'"):
+        checked("model.emb_dm=64")  # nothing kept yet
+    assert len(composed) == 1
+    checked()  # the rest (nothing), kept
+    assert checked("model.emb_dim=96", "trainer.train_steps=5").cfg.model.emb_dim == 96
+    with pytest.raises(ConfigError, match="unknown key 'trainer.train_steps.x'"):
+        checked("trainer.train_steps.x=1")  # under a value, not a mapping: Hydra's to say
+    assert len(composed) == 4
