@@ -110,7 +110,10 @@ def _wall(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]
     """(wall seconds, CPU seconds) of one run of cmd."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)  # exit 2: mistake
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if out.returncode not in (0, 2) or (out.returncode == 2) != ("model.emb_dm=64" in cmd):
+        sys.exit(f"{' '.join(cmd)}: exit {out.returncode} (not what it times):\n"
+                 f"{out.stderr[-2000:]}")
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
