@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp import config_schema, cross_rules
+from capibara_exp import config_schema
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
 
@@ -38,6 +38,7 @@ class Composition:
     # Computes `setters` when a message first needs them (they cost another walk of the
     # defaults list, which a config without mistakes never pays).
     trace: Callable[[], dict[str, str]] | None = None
+    cache_key: str | None = None  # its entry in cli/compose_cache.py, if it may be kept
 
     def setter(self, key: str) -> str:
         """Who set `key` (or its nearest parent)."""
@@ -93,14 +94,18 @@ def did_you_mean(name: str, candidates: Any) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def check(comp: Composition) -> None:
-    """Raise ConfigError (one line) for the first problem of the composed config."""
+def check(comp: Composition, missing_ok: bool = False) -> None:
+    """Raise ConfigError (one line) for the first problem of the composed config.
+    `missing_ok` (a config only shown, `--cfg job`): a mandatory value not given (`???`) is
+    shown as Hydra shows it, not refused; the rules across keys then wait for the run."""
+    from capibara_exp import cross_rules  # (not for a command line refused while composing)
+
     raw = OmegaConf.to_container(comp.cfg, resolve=False)
     raw.pop("hydra", None)
     keys = flatten(comp.config_name, raw)
     _check_unknown(comp, keys)
-    _check_missing(comp, keys)
-    values = {key: _resolved(comp, key) for key in keys}
+    missing = _check_missing(comp, keys, missing_ok)
+    values = {key: _resolved(comp, key) for key in keys if key not in missing}
     for key, value in values.items():
         rule = config_schema.rule_for(comp.config_name, key, comp.defaults.get(key))
         problem = rule.problem(value) if rule else None
@@ -112,7 +117,7 @@ def check(comp: Composition) -> None:
         if key.rsplit(".", 1)[-1] == "template" and value and not (GIN_DIR / value).is_file():
             raise ConfigError(f"{key}={value} (set by {comp.setter(key)}): no gin template "
                               f"gin/{value}")
-    for rule_fn in cross_rules.CROSS_RULES.get(comp.config_name, ()):
+    for rule_fn in () if missing else cross_rules.CROSS_RULES.get(comp.config_name, ()):
         found = rule_fn(values)
         if found:
             keys, message = found
@@ -153,11 +158,17 @@ def group_dirs(root: Path) -> list[Path]:
         if root.is_dir() else []
 
 
-def _check_missing(comp: Composition, keys: dict[str, Any]) -> None:
+def _check_missing(comp: Composition, keys: dict[str, Any], missing_ok: bool) -> set[str]:
+    """The keys whose mandatory value is not given (an error unless `missing_ok`)."""
+    missing = set()
     for key in keys:
         if OmegaConf.is_missing(_parent(comp.cfg, key), key.rsplit(".", 1)[-1]):
-            raise ConfigError(f"missing mandatory value (???) for: {key} (from "
-                              f"{comp.setter(key)}); give it on the command line: {key}=...")
+            if not missing_ok:
+                raise ConfigError(f"missing mandatory value (???) for: {key} (from "
+                                  f"{comp.setter(key)}); give it on the command line: "
+                                  f"{key}=...")
+            missing.add(key)
+    return missing
 
 
 def _parent(cfg: DictConfig, key: str) -> Any:

@@ -10,14 +10,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from capibara_exp import config_check, config_schema, cross_rules, environment, gin_bridge
+from capibara_exp import config_check, config_schema, environment
 from capibara_exp.cli import compose as composing
-from capibara_exp.cli import gin_flags
 from capibara_exp.cli.flags import CommandLine
 from capibara_exp.config_check import Composition
 from capibara_exp.errors import ConfigError
-from capibara_exp.overrides import override
 from capibara_exp.paths import GIN_DIR
+
+# gin (gin_bridge, gin_flags), the sweep's and the cross-key rules load where they are used:
+# a command line refused while composing (a key typo) never needs them
 
 GIN_LIST_KEYS = ("gin_files", "gin_bindings", "gin_search_paths")
 
@@ -28,14 +29,18 @@ def compose_checked(line: CommandLine, config_name: str,
     gin flags appended to the lists they extend)."""
     overrides = [*line.overrides, *extra]
     if line.has_gin_flags:
+        from capibara_exp.overrides import override
+
         first = composing.compose(config_name, overrides, line.config_dirs, line.multirun)
         overrides = [o for o in overrides if o.lstrip("+~").split("=")[0] not in GIN_LIST_KEYS]
         for key in GIN_LIST_KEYS:
             given = list(first.cfg.get(key) or []) + list(getattr(line, key))
             if given:
                 overrides.append(override(key, [_absolute_gin_file(key, v) for v in given]))
-    comp = composing.compose(config_name, overrides, line.config_dirs, line.multirun)
-    config_check.check(comp)
+    comp = composing.compose(config_name, overrides, line.config_dirs, line.multirun,
+                             cached=True)
+    config_check.check(comp, missing_ok=line.shows_config)  # --cfg shows ??? as Hydra does
+    composing.keep(comp)  # its values pass: the next command with this line reuses it
     return comp, overrides
 
 
@@ -71,6 +76,9 @@ def check_run(comp: Composition, line: CommandLine,
         tpu_vm.check(cfg)
     else:
         cfg = _bind_model_dir(cfg, str(Path(comp.cfg.hydra.run.dir).absolute()))
+    from capibara_exp import gin_bridge
+    from capibara_exp.cli import gin_flags
+
     text = gin_bridge.render(cfg, "local", GIN_DIR, sources(comp))
     gin_flags.check(comp, cfg, text, line.gin_flags)
     starting()
@@ -140,6 +148,8 @@ def check_sweep(comp: Composition) -> None:
         for value in _sweep_values(dist):
             _check_swept(comp, key, value)
     metric, ks = settings.get("metric"), OmegaConf.select(comp.cfg, "infer_eval.infer_eval_pass_ks")
+    from capibara_exp import cross_rules
+
     problem = cross_rules.unreported_pass_at_k(
         metric, OmegaConf.to_container(ks) if ks is not None else None)
     if problem:

@@ -47,7 +47,7 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
 
         comp, overrides = checks.compose_checked(line, config_name, extra)
     environment.prepare(bool(comp.cfg.get("verbose")))
-    return line, comp, [*line.flags, *overrides]
+    return line, comp, [*overrides, *line.flags]  # (see CommandLine.hydra_argv)
 
 
 def run_failed(prog: str, err: BaseException) -> None:

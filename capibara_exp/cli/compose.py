@@ -18,11 +18,14 @@ import yaml
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType, ValueType
+from hydra.core.utils import setup_globals
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from capibara_exp.cli import compose_cache
 from capibara_exp.config_check import (
     COMMAND_LINE,
     Composition,
@@ -41,18 +44,90 @@ def search_dirs(extra: list[Path]) -> list[Path]:
 
 
 def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
-            multirun: bool = False) -> Composition:
-    """The config Hydra will compose for this command line; ConfigError if it cannot."""
+            multirun: bool = False, cached: bool = False) -> Composition:
+    """The config Hydra will compose for this command line; ConfigError if it cannot.
+    `cached`: reuse the composition an earlier command kept for the same inputs
+    (compose_cache.py; the caller keeps one with `keep` once its checks pass)."""
     dirs = search_dirs(extra_dirs)
     for d in dirs[: len(extra_dirs)]:
         if not d.is_dir():
             raise ConfigError(f"--config-dir {d}: no such directory")
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     given = _with_search_path(overrides, dirs[: len(extra_dirs)])
+    key = compose_cache.key(config_name, given, dirs, multirun) \
+        if cached and compose_cache.enabled() else None
+    cfg = compose_cache.load(key) if key else None
+    if key and cfg is None and not multirun:
+        _refuse_unknown_keys(config_name, overrides, extra_dirs, dirs)
+    if cfg is None:
+        cfg = _hydra_compose(config_name, given, mode, overrides, dirs)
+    else:  # the resolvers Hydra registers when it starts (${now:...}, ${hydra:...})
+        setup_globals()
+    choices = dict(cfg.hydra.runtime.choices)
+
+    def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
+            loader = GlobalHydra.instance().config_loader()
+            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
+        return _setters(config_name, choices, defaults, overrides, dirs)
+
+    return Composition(config_name, cfg, choices, {}, definitions(config_name, choices, dirs),
+                       dirs, trace, key)
+
+
+def keep(comp: Composition) -> None:
+    """Keep a composition (one made with `cached`) for the next command with its inputs."""
+    if comp.cache_key:
+        compose_cache.store(comp.cache_key, comp.cfg)
+
+
+def _refuse_unknown_keys(config_name: str, overrides: list[str], extra_dirs: list[Path],
+                         dirs: list[Path]) -> None:
+    """Refuse `a.b=v` for a key the config lacks, as Hydra would, without composing: where
+    the rest of the line (its group choices, + and ~, hydra.*) was kept composed, setting
+    values adds no key to it, so a key missing from that composition (under a mapping that
+    takes no new keys) is one Hydra refuses. Anything less certain is left to Hydra."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong with it
+        return
+    values = [_sets_a_value(o, dirs) for o in parsed]
+    plain = [o for o, value in zip(parsed, values, strict=True) if value]
+    if not plain:
+        return
+    rest = [o.input_line for o, value in zip(parsed, values, strict=True) if not value]
+    given = _with_search_path(rest, dirs[: len(extra_dirs)])
+    kept = compose_cache.load(compose_cache.key(config_name, given, dirs, False))
+    for override in plain if kept is not None else []:
+        *parents, leaf = override.key_or_group.split(".")
+        node = kept
+        for part in [*parents, leaf]:
+            if part not in node.keys():  # a mapping that takes no new key refuses it
+                if not OmegaConf.is_struct(node):
+                    return
+                raise ConfigError(_unknown_key(override.key_or_group, config_name, dirs))
+            if part == leaf:
+                break
+            if OmegaConf.is_interpolation(node, part) or not isinstance(node[part], DictConfig):
+                return  # not a plain mapping all the way: Hydra decides
+            node = node[part]
+
+
+def _sets_a_value(override: Any, dirs: list[Path]) -> bool:
+    """`key=value` for a key of the app's config (not a group, hydra's, a sweep, + or ~)."""
+    key = override.key_or_group
+    return (override.type == OverrideType.CHANGE and override.value_type == ValueType.ELEMENT
+            and override.package is None and "/" not in key
+            and not key.split(".")[0] == "hydra" and not isinstance(override.value(), dict)
+            and ("." in key or not any((root / key).is_dir() for root in dirs)))
+
+
+def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides: list[str],
+                   dirs: list[Path]) -> DictConfig:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
         loader = GlobalHydra.instance().config_loader()
         try:
-            cfg = loader.load_configuration(config_name, given, mode, from_shell=True)
+            return loader.load_configuration(config_name, given, mode, from_shell=True)
         except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException,
                 yaml.YAMLError) as err:
             raise ConfigError(_composition_error(err, config_name, dirs)) from None
@@ -64,16 +139,6 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
             # must be a string or a list"; a 5,000-digit integer; a key too long for a
             # file name) and unreadable config files: what the user typed or wrote.
             raise ConfigError(_bad_group_value(overrides, dirs) or _odd_input(err)) from None
-    choices = dict(cfg.hydra.runtime.choices)
-
-    def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
-            loader = GlobalHydra.instance().config_loader()
-            defaults = loader.compute_defaults_list(config_name, given, mode).defaults
-        return _setters(config_name, choices, defaults, overrides, dirs)
-
-    return Composition(config_name, cfg, choices, {}, definitions(config_name, choices, dirs),
-                       dirs, trace)
 
 
 def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:
@@ -227,12 +292,7 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
             "cannot parse the override '': ", "cannot parse an override: ")
     found = re.match(r"Could not override '([^']+)'", message)
     if found:
-        key = found.group(1)
-        known = known_keys(config_name, dirs)
-        if "." not in key and config_name == "config":  # perhaps a group: sweeps=lr_wd
-            known |= {d.name for root in dirs for d in group_dirs(root)}
-        return (f"unknown key '{key}' (set by {COMMAND_LINE}): the config has no such key"
-                f"{did_you_mean(key, known)}")
+        return _unknown_key(found.group(1), config_name, dirs)
     found = re.match(r"Could not append to config\. An item is already at '([^']+)'", message)
     if found:
         return (f"'+{found.group(1)}=...' adds a key that exists: set it without the + "
@@ -244,6 +304,14 @@ def _composition_error(err: Exception, config_name: str, dirs: list[Path]) -> st
     cause = err.__cause__ or err.__context__
     text = message.strip() or (str(cause).strip() if cause else "") or type(err).__name__
     return text.splitlines()[0]
+
+
+def _unknown_key(key: str, config_name: str, dirs: list[Path]) -> str:
+    known = known_keys(config_name, dirs)
+    if "." not in key and config_name == "config":  # perhaps a group: sweeps=lr_wd
+        known |= {d.name for root in dirs for d in group_dirs(root)}
+    return (f"unknown key '{key}' (set by {COMMAND_LINE}): the config has no such key"
+            f"{did_you_mean(key, known)}")
 
 
 def _bad_group_value(overrides: list[str], dirs: list[Path]) -> str | None:

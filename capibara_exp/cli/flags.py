@@ -65,7 +65,9 @@ class CommandLine:
         return bool(self.gin_files or self.gin_bindings or self.gin_search_paths)
 
     def hydra_argv(self, extra_overrides: list[str] = ()) -> list[str]:
-        return [*self.flags, *self.overrides, *extra_overrides]
+        """Hydra's argv: the overrides first, so that a bare `--info` (its value optional)
+        does not take the override after it as its value."""
+        return [*self.overrides, *extra_overrides, *self.flags]
 
 
 def parse(argv: list[str]) -> CommandLine:

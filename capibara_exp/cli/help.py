@@ -31,7 +31,8 @@ def wants_help(line: CommandLine) -> bool:
 
 def render(config_name: str, line: CommandLine) -> str:
     """The app's help text for a command line (its overrides apply, as in Hydra)."""
-    comp = composing.compose(config_name, list(line.overrides), line.config_dirs)
+    comp = composing.compose(config_name, list(line.overrides), line.config_dirs, cached=True)
+    composing.keep(comp)
     cfg = comp.cfg
     template = string.Template(OmegaConf.select(cfg, "hydra.help.template"))
     app = OmegaConf.to_container(cfg, resolve=False)
@@ -78,7 +79,5 @@ def plain_job_config(line: CommandLine) -> bool:
 
 
 def job_config(cfg: object) -> str:
-    """Hydra's `--cfg job` text for a composed config."""
-    app = OmegaConf.to_container(cfg, resolve=False)
-    app.pop("hydra", None)
-    return OmegaConf.to_yaml(OmegaConf.create(app))
+    """Hydra's `--cfg job` text for a composed config (its keys but `hydra`, unresolved)."""
+    return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))

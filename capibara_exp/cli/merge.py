@@ -50,9 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     if comp is not None and not line.shows_config:
         with user_errors(PROG, prefix="configuration error: "):
             check_paths(comp.cfg)
-    if comp is not None:  # a merge, not --help: TensorFlow (seqio's) without its notices
-        if not line.shows_config:
-            phases.starting(PROG)
+    if comp is not None and not line.shows_config:  # a merge, not --help or --cfg:
+        phases.starting(PROG)  # TensorFlow (seqio's) without its notices
         with phases.importing("TensorFlow"):
             environment.import_tensorflow()
     sys.argv = [sys.argv[0], *hydra_argv]

@@ -11,8 +11,8 @@ from omegaconf import DictConfig
 from capibara_exp.cli import checks, guards
 from capibara_exp.cli import compose as composing
 from capibara_exp.cli.common import checked_argv, run_failed, user_errors
-from capibara_exp.cli.shell import console
-from capibara_exp.errors import RunError
+from capibara_exp.cli.shell import console, job
+from capibara_exp.errors import ConfigError, RunError
 
 PROG = "capibara-exp-meta"
 
@@ -30,10 +30,10 @@ def compose_member(overrides: list[str]) -> tuple[DictConfig, dict]:
 
 @console(PROG)
 def main(argv: list[str] | None = None) -> None:
-    line, comp, _ = checked_argv(PROG, "meta", sys.argv[1:] if argv is None else argv)
-    if comp is None:  # --help and the like
-        print(__doc__.strip() + "\nusage: capibara-exp-meta meta_consensus=<name> out=<dir> "
-              "[meta_consensus.KEY=VALUE ...]  (conf/meta.yaml, conf/meta_consensus/)")
+    line, comp, hydra_argv = checked_argv(PROG, "meta", sys.argv[1:] if argv is None else argv)
+    if comp is None or line.shows_config:  # --help, --cfg, --info: Hydra's answers
+        sys.argv = [sys.argv[0], *hydra_argv]
+        _app()
         return
     with user_errors(PROG, prefix="configuration error: "):
         guards.writable_dir("out", comp.cfg.out)
@@ -55,6 +55,24 @@ def main(argv: list[str] | None = None) -> None:
         run_failed(PROG, err)
     for row in meta_consensus.summary_lines(rep):
         print(f"{PROG}: {row}", file=sys.stderr)
+
+
+def _app() -> None:
+    """Hydra's app for conf/meta.yaml: it answers --help, --hydra-help, --info and --cfg
+    (the run itself composes its members and trains them in this process, outside Hydra's
+    job: it never reaches `_not_a_job`)."""
+    import hydra
+
+    from capibara_exp.paths import CONF_DIR
+
+    hydra.main(config_path=str(CONF_DIR), config_name="meta",
+               version_base="1.3")(job(_not_a_job))()
+
+
+def _not_a_job(cfg: DictConfig) -> None:
+    del cfg
+    raise ConfigError("--experimental-rerun: capibara-exp-meta keeps no Hydra job to rerun; "
+                      "run the same command again (finished members are not trained again)")
 
 
 if __name__ == "__main__":

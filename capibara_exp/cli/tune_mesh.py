@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in argv):
         argv.append(f"+{SETTINGS}=default")
     line, comp, hydra_argv = checked_argv(PROG, "config", argv)
-    if comp is not None:  # a run, not --help: TensorFlow (seqio's) without its notices
-        if not line.shows_config:
-            phases.starting(PROG)
+    runs = comp is not None and not line.shows_config  # a run, not --help or --cfg
+    if runs:  # TensorFlow (seqio's) without its notices
+        phases.starting(PROG)
         with phases.importing("TensorFlow"):
             environment.import_tensorflow(bool(comp.cfg.get("verbose")))
-    if comp is not None and comp.cfg.topology != "cpu":
+    if runs and comp.cfg.topology != "cpu":
         from capibara_exp.tuning import topology
 
         if not topology.libtpu_installed():  # before Hydra makes the study's dir

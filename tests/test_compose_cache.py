@@ -1,0 +1,129 @@
+"""The kept composition (cli/compose_cache.py): the same command line on the same files gives
+the config Hydra composes, any change to what the composition reads composes afresh, and a
+refused command keeps nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from capibara_exp.cli import checks, compose_cache, flags
+from capibara_exp.cli import compose as composing
+from capibara_exp.errors import ConfigError
+from capibara_exp.paths import CONF_DIR
+from capibara_exp.resolvers import register_resolvers
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    register_resolvers()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CAPIBARA_COMPOSE_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "cache" / "capibara-exp" / "compose"
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("*.pickle")) if cache.is_dir() else []
+
+
+def checked(*args: str):
+    return checks.compose_checked(flags.parse(list(args)), "config")[0]
+
+
+def test_a_kept_composition_is_the_one_hydra_composes(cache_home: Path) -> None:
+    args = ("experiment=dense_small_rope", "trainer.train_steps=7")
+    fresh = checked(*args)
+    assert len(entries(cache_home)) == 1
+    again = checked(*args)
+    assert again.cache_key == fresh.cache_key
+    assert compose_cache.load(again.cache_key) is not None  # (what the second one read)
+    assert OmegaConf.to_yaml(again.cfg) == OmegaConf.to_yaml(fresh.cfg)  # hydra node too
+    uncached = composing.compose("config", list(args), [])
+    assert OmegaConf.to_yaml(again.cfg) == OmegaConf.to_yaml(uncached.cfg)
+    assert again.choices == fresh.choices and again.defaults == fresh.defaults
+    assert OmegaConf.select(again.cfg, "trainer.train_steps") == 7
+
+
+def test_an_edited_config_file_composes_again(tmp_path: Path, cache_home: Path) -> None:
+    mine = tmp_path / "mine" / "model"
+    mine.mkdir(parents=True)
+    text = (CONF_DIR / "model" / "dense_tiny.yaml").read_text()
+    (mine / "edited.yaml").write_text(text)
+    args = ("--config-dir", str(tmp_path / "mine"), "model=edited")
+    assert checked(*args).cfg.model.emb_dim == 128
+    # the same size, the same second: only the contents differ
+    (mine / "edited.yaml").write_text(text.replace("emb_dim: 128", "emb_dim: 256"))
+    assert checked(*args).cfg.model.emb_dim == 256
+    assert len(entries(cache_home)) == 2
+
+
+def test_another_working_directory_is_another_entry(tmp_path: Path, cache_home: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    first = checked()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    second = checked()
+    assert first.cache_key != second.cache_key
+    assert second.cfg.hydra.runtime.cwd == str(tmp_path / "elsewhere")
+
+
+def test_a_refused_command_keeps_nothing(cache_home: Path) -> None:
+    with pytest.raises(ConfigError, match="trainer.train_steps=-5"):
+        checked("trainer.train_steps=-5")
+    with pytest.raises(ConfigError, match="model.emb_dm"):
+        checked("model.emb_dm=64")
+    assert entries(cache_home) == []
+
+
+def test_switched_off_it_keeps_nothing(cache_home: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAPIBARA_COMPOSE_CACHE", "0")
+    assert checked().cache_key is None
+    assert entries(cache_home) == []
+
+
+def test_an_unreadable_entry_is_composed_again(cache_home: Path) -> None:
+    key = checked().cache_key
+    (cache_home / f"{key}.pickle").write_bytes(b"not a pickle")
+    assert checked().cfg.model.emb_dim == 128
+    assert compose_cache.load(key) is not None  # written anew
+
+
+TYPOS = [["model.emb_dm=64"], ["experiment=dense_small_rope", "trainer.train_steps=5",
+                               "model.emb_dm=64"], ["model.nope.x=1"], ["nme=foo"],
+         ["model.emb_dim=96", "optimizer.lr=1"]]
+
+
+@pytest.mark.parametrize("args", TYPOS, ids=" ".join)
+def test_a_key_typo_is_refused_from_the_kept_rest_of_the_line(
+        args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the rest of the line kept composed, a key the config lacks is refused without
+    composing again, in the words Hydra's refusal gets."""
+    with pytest.raises(ConfigError) as hydras:
+        composing.compose("config", args, [])  # not cached: Hydra composes and refuses
+    checked(*[a for a in args if a.split("=")[0] in ("experiment",)])  # the rest, kept
+    composed = []
+    real = composing._hydra_compose
+    monkeypatch.setattr(composing, "_hydra_compose", lambda *a: composed.append(a) or real(*a))
+    with pytest.raises(ConfigError) as ours:
+        checked(*args)
+    assert str(ours.value) == str(hydras.value)
+    assert composed == []
+
+
+def test_without_the_rest_kept_or_with_known_keys_hydra_composes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    composed = []
+    real = composing._hydra_compose
+    monkeypatch.setattr(composing, "_hydra_compose", lambda *a: composed.append(a) or real(*a))
+    with pytest.raises(ConfigError, match="unknown key 'model.emb_dm'"):
+        checked("model.emb_dm=64")  # nothing kept yet
+    assert len(composed) == 1
+    checked()  # the rest (nothing), kept
+    assert checked("model.emb_dim=96", "trainer.train_steps=5").cfg.model.emb_dim == 96
+    with pytest.raises(ConfigError, match="unknown key 'trainer.train_steps.x'"):
+        checked("trainer.train_steps.x=1")  # under a value, not a mapping: Hydra's to say
+    assert len(composed) == 4
