@@ -96,3 +96,18 @@ def test_a_mistake_found_composing_is_one_line_without_heavy_imports(script: str
     prog = {"main": "capibara-exp"}.get(script, f"capibara-exp-{script.replace('_', '-')}")
     assert first.startswith(f"{prog}: configuration error: unknown key 'no_such_key'"), first
     assert heavy == "HEAVY []" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--help", "--info", "--hydra-help"])
+@pytest.mark.parametrize("script", sorted(HYDRA_SCRIPTS))
+def test_a_mistake_beside_a_flag_that_informs_is_one_line(script: str, flag: str,
+                                                         tmp_path: Path) -> None:
+    """Hydra's app refuses an override it cannot apply with an exception midway through
+    what it prints; the scripts compose the line first: one line, exit 2, nothing printed
+    before it and nothing written."""
+    out = run(OURS.format(script=script, heavy=HEAVY), ["modl=x", flag], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stdout == ""
+    first, heavy = out.stderr.splitlines()
+    assert ": configuration error: unknown key 'modl'" in first, first
+    assert heavy == "HEAVY []" and list(tmp_path.iterdir()) == []

@@ -41,6 +41,11 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
         line = flags.parse(argv)
         register_resolvers()
         if line.informing:
+            if line.overrides:  # Hydra's app would refuse them as an internal error, midway
+                from capibara_exp.cli import compose as composing
+
+                composing.compose(config_name, [*line.overrides, *extra], line.config_dirs,
+                                  line.multirun, cached=True)
             environment.prepare()
             return line, None, line.hydra_argv(extra)
         from capibara_exp.cli import checks  # (gin and the bridge: not for --help)
