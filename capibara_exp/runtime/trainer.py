@@ -153,8 +153,7 @@ class Trainer:
         are the local engine's own (T5X has neither EMA weights nor a skip-step policy)."""
         reject_unsupported("trainer.Trainer", weight_metrics_computer=weight_metrics_computer)
         if num_microbatches is not None and num_microbatches < 1:
-            raise ValueError("trainer.Trainer.num_microbatches must be >= 1, "
-                             f"got {num_microbatches}")
+            raise ValueError(f"trainer.Trainer.num_microbatches: {num_microbatches} < 1")
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"trainer.Trainer.ema_decay must be in [0, 1), got {ema_decay}")
         if max_consecutive_skips < 1:
