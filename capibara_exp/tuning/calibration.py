@@ -49,6 +49,26 @@ PUBLISHED = (
     Published("maxtext_v5e_64b", 0.5990, 118.0),
     Published("maxtext_v5e_128b", 0.5606, 110.0),
 )
+TIERING = ("AI-Hypercomputer/maxtext docs/reference/models/tiering.md (commit 20a91e12a); "
+           "recipes in benchmarks/maxtext_trillium_model_configs.py, MaxText/configs/v5p/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A published result on another generation: estimated with the v5e-fitted constants
+    and compared with MaxText's figure, never fitted on (issue 27)."""
+
+    experiment: str  # conf/experiment/<name>.yaml
+    mfu: float | None  # MaxText's published MFU; None: none published
+    per_chip_batch: int  # the recipe's per_device_batch_size
+
+
+INDEPENDENT = (
+    Checked("maxtext_v5p_llama2_70b", 0.654, 4),
+    Checked("maxtext_v5p_llama2_7b", None, 4),
+    Checked("maxtext_v6e_llama3_8b", 0.4546, 4),
+    Checked("maxtext_v6e_llama3_70b", 0.5033, 4),
+)
 # The constants fitted here; their shipped values are estimate.FITTED (the planner's model).
 FIT_PARAMETERS = ("mxu_efficiency", "collective_overlap")
 
