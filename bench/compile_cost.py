@@ -33,6 +33,9 @@ BASE = ["model=llama3_8b", "topology=v6e-256", "partitioning=fsdp",
         "data.task_feature_lengths={targets: 8192}", "data.batch_size=256",
         "model.remat_policy=full", "model.attention=splash", "model.scan_layers=true"]
 
+NO_VLIW = "--xla_jf_vliw_scheduler=false --xla_jf_critical_path_scheduler=false"
+SMALL = ["model.num_layers=2", "data.task_feature_lengths={targets: 2048}", "topology=v6e-8",
+         "data.batch_size=8"]
 VARIANTS: dict[str, dict] = {
     "base": {},
     "dot": {"overrides": ["model.attention=dot"]},
@@ -40,16 +43,25 @@ VARIANTS: dict[str, dict] = {
     "layers2": {"overrides": ["model.num_layers=2"]},
     "seq2048": {"overrides": ["data.task_feature_lengths={targets: 2048}"]},
     "no_lhs": {"libtpu": "--xla_tpu_enable_latency_hiding_scheduler=false"},
+    # The same candidate with the TPU backend's (LLO) instruction schedulers off: they run
+    # after buffer assignment, on the program the figures are read from.
+    "no_vliw": {"libtpu": NO_VLIW},
+    "llo0": {"libtpu": "--xla_jf_llo_level=0"},
+    # A small stand-in (2 layers, 2,048 tokens, 8 chips) to compare flags quickly.
+    "small": {"overrides": SMALL},
+    "small_no_vliw": {"overrides": SMALL, "libtpu": NO_VLIW},
+    "small_llo0": {"overrides": SMALL, "libtpu": "--xla_jf_llo_level=0"},
 }
 
 
 def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
     """Build, lower and compile one candidate here; its figures."""
+    from hydra import compose, initialize_config_dir
+
     from capibara_exp import environment, topologies
     from capibara_exp.cli.common import register_resolvers
     from capibara_exp.paths import CONF_DIR
     from capibara_exp.tuning import aot, topology
-    from hydra import compose, initialize_config_dir
 
     environment.select_platform()
     environment.import_tensorflow()
@@ -60,7 +72,6 @@ def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
     t0 = time.perf_counter()
     devices = topology.devices(topo, libtpu)
     import gin
-
     from capibara_exp.runtime import state as run_state
 
     t1 = time.perf_counter()
@@ -88,18 +99,18 @@ def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
 def pass_spans(dump: Path, top: int = 12) -> list[tuple[float, str]]:
     """(seconds, file) for the largest gaps between consecutive dumped passes."""
     files = sorted(dump.glob("*.txt"), key=lambda p: p.stat().st_mtime)
-    spans = [(b.stat().st_mtime - a.stat().st_mtime, b.name) for a, b in zip(files, files[1:])]
+    spans = [(b.stat().st_mtime - a.stat().st_mtime, b.name) for a, b in zip(files, files[1:], strict=False)]
     return sorted(spans, reverse=True)[:top]
 
 
 def run_variant(name: str, out: Path, dump: bool, nice: int) -> dict:
-    spec = VARIANTS[name]
     env = dict(os.environ)
     if dump:
         where = out / "dump" / name
         where.mkdir(parents=True, exist_ok=True)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={where}"
-                            " --xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=jit__step").strip()
+                            " --xla_dump_hlo_pass_re=.*"
+                            " --xla_dump_hlo_module_re=jit__step").strip()
     cmd = ["nice", "-n", str(nice), sys.executable, __file__, "--child", name]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
