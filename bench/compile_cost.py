@@ -99,7 +99,8 @@ def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
 def pass_spans(dump: Path, top: int = 12) -> list[tuple[float, str]]:
     """(seconds, file) for the largest gaps between consecutive dumped passes."""
     files = sorted(dump.glob("*.txt"), key=lambda p: p.stat().st_mtime)
-    spans = [(b.stat().st_mtime - a.stat().st_mtime, b.name) for a, b in zip(files, files[1:], strict=False)]
+    spans = [(b.stat().st_mtime - a.stat().st_mtime, b.name)
+             for a, b in zip(files, files[1:], strict=False)]
     return sorted(spans, reverse=True)[:top]
 
 
