@@ -51,6 +51,9 @@ VARIANTS: dict[str, dict] = {
     "small": {"overrides": SMALL},
     "small_no_vliw": {"overrides": SMALL, "libtpu": NO_VLIW},
     "small_llo0": {"overrides": SMALL, "libtpu": "--xla_jf_llo_level=0"},
+    "small_vocab32k": {"overrides": [*SMALL, "model.vocab_size=32000"]},
+    "small_seq512": {"overrides": [*SMALL, "data.task_feature_lengths={targets: 512}"]},
+    "small_1layer_dot": {"overrides": [*SMALL, "model.num_layers=1", "model.attention=dot"]},
 }
 
 

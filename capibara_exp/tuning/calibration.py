@@ -74,11 +74,14 @@ FIT_PARAMETERS = ("mxu_efficiency", "collective_overlap")
 
 
 def maxtext_flops_per_chip(model: dict, batch_size: int, length: int, chips: int) -> float:
-    """MaxText's training FLOPs per chip per step: 6 x parameters x tokens (weights, tied
-    embedding, norms) + 6 x heads x layers x head_dim x length^2 per sequence (causal)."""
+    """MaxText's training FLOPs per chip per step: 6 x parameters x tokens (weights, the
+    logits' embedding, norms; key/value projections at num_kv_heads) + 6 x heads x layers x
+    head_dim x length^2 per sequence (causal)."""
     d, h, k, f, layers = (model[key] for key in ("emb_dim", "num_heads", "head_dim", "mlp_dim",
                                                  "num_layers"))
-    per_layer = 4 * d * h * k + len(model["mlp_activations"]) * d * f + f * d + 2 * d
+    kv = model.get("num_kv_heads") or h
+    per_layer = (2 * d * h * k + 2 * d * kv * k + len(model["mlp_activations"]) * d * f
+                 + f * d + 2 * d)
     params = model["vocab_size"] * d + layers * per_layer + d
     weights = 6.0 * params * length * batch_size
     attention = 6.0 * h * layers * k * length * length * batch_size
@@ -197,7 +200,9 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
 
     cfg = compose(experiment)
     target = topologies.get(cfg.topology)
-    compiled = aot.compile_step(cfg, topology.devices(target), target.chip)
+    # libtpu reads its flags once per process: one experiment's flags per process.
+    devices = topology.devices(target, cfg.get("libtpu_init_args") or None)
+    compiled = aot.compile_step(cfg, devices, target.chip)
     if not compiled.feasible:
         raise RuntimeError(f"{experiment} does not compile for {cfg.topology}: {compiled.reason}")
     where.mkdir(parents=True, exist_ok=True)
