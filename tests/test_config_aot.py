@@ -85,3 +85,23 @@ def test_maxtext_recipe_states_its_slice_batch_and_flags(name):
     if LIBTPU_PLATFORM:
         out = probe(cfg.libtpu_init_args)
         assert out.returncode == 0 and "compiled for v5e-1" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, p in INDEPENDENT.items() if p.kept))
+def test_maxtext_recipe_kept_compile_is_current_and_fits(name):
+    """A recipe compiled by bench/check_independent.py: its kept HLO is of the experiment as
+    shipped, its peak fits what XLA lets a program use on the chip, and the step does at
+    least MaxText's count of the model's FLOPs."""
+    import gzip
+    import json
+
+    meta = json.loads((calibration.DATA_DIR / f"{name}.json").read_text())
+    cfg = compose_config([f"experiment={name}"])
+    assert meta["fingerprint"] == calibration.fingerprint(cfg), (
+        f"{name} changed since its HLO was kept: python bench/check_independent.py "
+        f"--compile {name}")
+    chip = topologies.get(meta["topology"]).chip
+    assert 0 < meta["memory_bytes"] <= chip.usable_hbm_bytes
+    text = gzip.decompress((calibration.DATA_DIR / f"{name}.hlo.gz").read_bytes()).decode()
+    step = profile.profile(text, meta["chips"], meta["device_coords"])
+    assert step.flops >= 0.95 * meta["maxtext_flops"] > 0

@@ -61,12 +61,13 @@ class Checked:
     experiment: str  # conf/experiment/<name>.yaml
     mfu: float | None  # MaxText's published MFU; None: none published
     per_chip_batch: int  # the recipe's per_device_batch_size
+    kept: bool = False  # compiled, its HLO kept in DATA_DIR (bench/check_independent.py)
 
 
 INDEPENDENT = (
-    Checked("maxtext_v5p_llama2_70b", 0.654, 4),
+    Checked("maxtext_v5p_llama2_70b", 0.654, 4, kept=True),
     Checked("maxtext_v5p_llama2_7b", None, 4),
-    Checked("maxtext_v6e_llama3_8b", 0.4546, 4),
+    Checked("maxtext_v6e_llama3_8b", 0.4546, 4, kept=True),
     Checked("maxtext_v6e_llama3_70b", 0.5033, 4),
 )
 # The constants fitted here; their shipped values are estimate.FITTED (the planner's model).
