@@ -67,7 +67,7 @@ class Checked:
 INDEPENDENT = (
     Checked("maxtext_v5p_32b", 0.7147, 7, kept=True),
     Checked("maxtext_v5p_128b", 0.6868, 1, kept=True),
-    Checked("maxtext_v5p_llama2_70b", 0.654, 4),
+    Checked("maxtext_v5p_llama2_70b", 0.654, 4, kept=True),
     Checked("maxtext_v5p_llama2_7b", None, 4, kept=True),
     Checked("maxtext_v6e_llama3_8b", 0.4546, 4, kept=True),
     Checked("maxtext_v6e_llama3_70b", 0.5033, 4),
