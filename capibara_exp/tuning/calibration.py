@@ -189,6 +189,8 @@ def fingerprint(cfg: Any) -> str:
     plain["data"] = {"batch_size": cfg.data.batch_size,
                      "lengths": OmegaConf.to_container(cfg.data.task_feature_lengths)}
     plain["trainer"] = {"num_microbatches": cfg.trainer.num_microbatches}
+    if cfg.get("libtpu_init_args"):  # the flags the step was compiled under (none: neutral)
+        plain["libtpu_init_args"] = " ".join(str(cfg.libtpu_init_args).split())
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16]
 
 
