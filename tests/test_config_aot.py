@@ -5,10 +5,12 @@ splash-attention kernel compiles for v5e.
 MaxText's published configurations (conf/experiment/maxtext_v5e_*.yaml, 16B-128B on
 v5e-256) take 1-4 minutes each to compile here; their kept HLO (bench/calibration/, from
 `python bench/calibrate.py --compile`) is checked against the shipped experiments in
-tests/test_step_model.py instead of compiling them on every run. MaxText's Llama 2/3 recipes
-for v5p and v6e (conf/experiment/maxtext_v5p_*, maxtext_v6e_*; 7B-70B at 4,096-8,192 tokens,
-5-15 minutes each here) are checked for what they state (their slice, the recipe's batch per
-chip, flags libtpu accepts); their compiled figures are bench/RESULTS.md's."""
+tests/test_step_model.py instead of compiling them on every run. MaxText's v5p and v6e
+configurations (conf/experiment/maxtext_v5p_*, maxtext_v6e_*: Llama 2/3 7B-70B at 4,096-8,192
+tokens, the 32B/128B on their FSDP x tensor meshes; 3-30 minutes each here) are checked for
+what they state (their slice, the recipe's batch per chip, flags libtpu accepts), and those
+compiled by `python bench/check_independent.py --compile` for their kept HLO (of the
+experiment as shipped, fitting the chip); bench/RESULTS.md has their figures."""
 
 from __future__ import annotations
 
