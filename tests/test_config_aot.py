@@ -5,7 +5,12 @@ splash-attention kernel compiles for v5e.
 MaxText's published configurations (conf/experiment/maxtext_v5e_*.yaml, 16B-128B on
 v5e-256) take 1-4 minutes each to compile here; their kept HLO (bench/calibration/, from
 `python bench/calibrate.py --compile`) is checked against the shipped experiments in
-tests/test_step_model.py instead of compiling them on every run."""
+tests/test_step_model.py instead of compiling them on every run. MaxText's v5p and v6e
+configurations (conf/experiment/maxtext_v5p_*, maxtext_v6e_*: Llama 2/3 7B-70B at 4,096-8,192
+tokens, the 32B/128B on their FSDP x tensor meshes; 3-30 minutes each here) are checked for
+what they state (their slice, the recipe's batch per chip, flags libtpu accepts), and those
+compiled by `python bench/check_independent.py --compile` for their kept HLO (of the
+experiment as shipped, fitting the chip); bench/RESULTS.md has their figures."""
 
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from capibara_exp.tuning.measure import local_chip
 from tests.conftest import EXPERIMENTS, LIBTPU_PLATFORM, compose_config
 
 CALIBRATION = {p.experiment for p in calibration.PUBLISHED}
-COMPILED = [name for name in EXPERIMENTS if name not in CALIBRATION]
+INDEPENDENT = {p.experiment: p for p in calibration.INDEPENDENT}
+COMPILED = [name for name in EXPERIMENTS if name not in CALIBRATION | set(INDEPENDENT)]
 
 
 def tpu_target(name: str):
@@ -65,3 +71,39 @@ def test_splash_attention_compiles_for_v5e():
         assert kernel in compiled.hlo_text, kernel
     step = profile.profile(compiled.hlo_text, len(devices))
     assert step.flops >= compiled.model_flops > 0
+
+
+@pytest.mark.parametrize("name", sorted(INDEPENDENT))
+def test_maxtext_recipe_states_its_slice_batch_and_flags(name):
+    """Each recipe experiment composes for a TPU slice at the recipe's batch per chip, with
+    splash attention and scanned layers, and libtpu accepts its flags."""
+    from tests.test_libtpu_flags import probe
+
+    cfg = compose_config([f"experiment={name}"])
+    chips = topologies.get(cfg.topology).chips
+    assert cfg.data.batch_size == INDEPENDENT[name].per_chip_batch * chips
+    assert cfg.model.attention == "splash" and cfg.model.scan_layers
+    assert cfg.libtpu_init_args.startswith("--")
+    if LIBTPU_PLATFORM:
+        out = probe(cfg.libtpu_init_args)
+        assert out.returncode == 0 and "compiled for v5e-1" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, p in INDEPENDENT.items() if p.kept))
+def test_maxtext_recipe_kept_compile_is_current_and_fits(name):
+    """A recipe compiled by bench/check_independent.py: its kept HLO is of the experiment as
+    shipped, its peak fits what XLA lets a program use on the chip, and the step does at
+    least MaxText's count of the model's FLOPs."""
+    import gzip
+    import json
+
+    meta = json.loads((calibration.DATA_DIR / f"{name}.json").read_text())
+    cfg = compose_config([f"experiment={name}"])
+    assert meta["fingerprint"] == calibration.fingerprint(cfg), (
+        f"{name} changed since its HLO was kept: python bench/check_independent.py "
+        f"--compile {name}")
+    chip = topologies.get(meta["topology"]).chip
+    assert 0 < meta["memory_bytes"] <= chip.usable_hbm_bytes
+    text = gzip.decompress((calibration.DATA_DIR / f"{name}.hlo.gz").read_bytes()).decode()
+    step = profile.profile(text, meta["chips"], meta["device_coords"])
+    assert step.flops >= 0.95 * meta["maxtext_flops"] > 0

@@ -40,7 +40,8 @@ def test_published_sizes_come_out_as_published() -> None:
     """Parameter counts of the full-size entries, against the model cards' figures."""
     published = {"llama3_8b": 8.03e9, "mistral_7b": 7.24e9, "qwen2_5_7b": 7.62e9,
                  "qwen3_8b": 8.19e9, "gemma2_9b": 9.24e9, "mixtral_8x7b": 46.7e9,
-                 "qwen3_moe_30b_a3b": 30.5e9}
+                 "qwen3_moe_30b_a3b": 30.5e9, "llama2_7b": 6.74e9, "llama2_70b": 68.98e9,
+                 "llama3_70b": 70.55e9}
     for entry, figure in published.items():
         total = model_facts.counts(model_facts.sizes(model_keys(entry))).total
         assert abs(total / figure - 1) < 0.01, (entry, total, figure)

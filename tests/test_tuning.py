@@ -201,6 +201,37 @@ def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
     assert len(search.Cache(tmp_path / "pooled.jsonl").results) == len(pooled.results)
 
 
+def test_a_search_starts_no_compile_after_its_budget(tmp_path, monkeypatch):
+    """On a clock each compile moves on by 10 s, a 25 s budget admits three compiles (the
+    third starts at 20 s), exhaustive and TPE alike; cached results are still returned."""
+    import optuna
+
+    from capibara_exp.tuning import evaluate as evaluate_module
+
+    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+                             num_microbatches=[1, 2], remat_policies=["none", "full"],
+                             fsdp=[False, True])
+    table, clock, compiled = _table(cands), [0.0], []
+    monkeypatch.setattr(search.time, "monotonic", lambda: clock[0])
+
+    def evaluate(cand):
+        compiled.append(cand)
+        clock[0] += 10.0
+        return evaluate_module.done(table[cand].record)
+
+    cache = search.Cache(tmp_path / "candidates.jsonl")
+    got = search.exhaustive(cands, cache, evaluate, workers=1, deadline=25.0)
+    assert [r.candidate for r in got] == cands[:3] == compiled
+    # Past the budget: the three cached results come back, nothing compiles.
+    again = search.exhaustive(cands, cache, evaluate, workers=1, deadline=25.0)
+    assert [r.candidate for r in again] == cands[:3] and len(compiled) == 3
+    compiled.clear()
+    clock[0] = 0.0
+    study = optuna.create_study(direction="maximize", sampler=search.mesh_sampler("tpe", 0, 20))
+    search.optimize(cands, search.Cache(None), evaluate, 20, study, deadline=25.0)
+    assert len(compiled) == 3 and search.told(study) >= 3
+
+
 @needs_libtpu
 def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
     assert topology.libtpu_installed(), topology.INSTALL_HINT

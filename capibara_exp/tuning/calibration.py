@@ -49,16 +49,42 @@ PUBLISHED = (
     Published("maxtext_v5e_64b", 0.5990, 118.0),
     Published("maxtext_v5e_128b", 0.5606, 110.0),
 )
+TIERING = ("AI-Hypercomputer/maxtext docs/reference/models/tiering.md (commit 20a91e12a); "
+           "recipes in benchmarks/maxtext_trillium_model_configs.py, MaxText/configs/v5p/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A published result on another generation: estimated with the v5e-fitted constants
+    and compared with MaxText's figure, never fitted on (issue 27)."""
+
+    experiment: str  # conf/experiment/<name>.yaml
+    mfu: float | None  # MaxText's published MFU; None: none published
+    per_chip_batch: int  # the recipe's per_device_batch_size
+    kept: bool = False  # compiled, its HLO kept in DATA_DIR (bench/check_independent.py)
+
+
+INDEPENDENT = (
+    Checked("maxtext_v5p_32b", 0.7147, 7, kept=True),
+    Checked("maxtext_v5p_128b", 0.6868, 1, kept=True),
+    Checked("maxtext_v5p_llama2_70b", 0.654, 4, kept=True),
+    Checked("maxtext_v5p_llama2_7b", None, 4, kept=True),
+    Checked("maxtext_v6e_llama3_8b", 0.4546, 4, kept=True),
+    Checked("maxtext_v6e_llama3_70b", 0.5033, 4),
+)
 # The constants fitted here; their shipped values are estimate.FITTED (the planner's model).
 FIT_PARAMETERS = ("mxu_efficiency", "collective_overlap")
 
 
 def maxtext_flops_per_chip(model: dict, batch_size: int, length: int, chips: int) -> float:
-    """MaxText's training FLOPs per chip per step: 6 x parameters x tokens (weights, tied
-    embedding, norms) + 6 x heads x layers x head_dim x length^2 per sequence (causal)."""
+    """MaxText's training FLOPs per chip per step: 6 x parameters x tokens (weights, the
+    logits' embedding, norms; key/value projections at num_kv_heads) + 6 x heads x layers x
+    head_dim x length^2 per sequence (causal)."""
     d, h, k, f, layers = (model[key] for key in ("emb_dim", "num_heads", "head_dim", "mlp_dim",
                                                  "num_layers"))
-    per_layer = 4 * d * h * k + len(model["mlp_activations"]) * d * f + f * d + 2 * d
+    kv = model.get("num_kv_heads") or h
+    per_layer = (2 * d * h * k + 2 * d * kv * k + len(model["mlp_activations"]) * d * f
+                 + f * d + 2 * d)
     params = model["vocab_size"] * d + layers * per_layer + d
     weights = 6.0 * params * length * batch_size
     attention = 6.0 * h * layers * k * length * length * batch_size
@@ -163,6 +189,8 @@ def fingerprint(cfg: Any) -> str:
     plain["data"] = {"batch_size": cfg.data.batch_size,
                      "lengths": OmegaConf.to_container(cfg.data.task_feature_lengths)}
     plain["trainer"] = {"num_microbatches": cfg.trainer.num_microbatches}
+    if cfg.get("libtpu_init_args"):  # the flags the step was compiled under (none: neutral)
+        plain["libtpu_init_args"] = " ".join(str(cfg.libtpu_init_args).split())
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -177,7 +205,9 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
 
     cfg = compose(experiment)
     target = topologies.get(cfg.topology)
-    compiled = aot.compile_step(cfg, topology.devices(target), target.chip)
+    # libtpu reads its flags once per process: one experiment's flags per process.
+    devices = topology.devices(target, cfg.get("libtpu_init_args") or None)
+    compiled = aot.compile_step(cfg, devices, target.chip)
     if not compiled.feasible:
         raise RuntimeError(f"{experiment} does not compile for {cfg.topology}: {compiled.reason}")
     where.mkdir(parents=True, exist_ok=True)

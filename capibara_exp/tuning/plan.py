@@ -180,11 +180,12 @@ def _pool(cfg: DictConfig):
     return CompilePool(cfg.topology, workers), workers
 
 
-def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir: Path):
-    """(results, TPE replay or None) of the configured search."""
+def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir: Path,
+                 deadline: float | None = None):
+    """(results, TPE replay or None) of the configured search, stopped at `deadline`."""
     s = cfg.tune_mesh
     if s.search == "exhaustive":
-        results = search.exhaustive(cands, cache, evaluator)
+        results = search.exhaustive(cands, cache, evaluator, workers, deadline)
         replay = search.compiles_to_optimum(cands, {r.candidate: r for r in results}, "tpe",
                                             list(range(s.replay_seeds)), max(len(cands) * 3, 30))
         return results, replay
@@ -201,7 +202,30 @@ def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir
         # compile is gone (and cached if it finished), so the study should not wait on it.
         optuna_study.fail(opened, stale.number)
     return search.optimize(cands, cache, evaluator, s.n_trials, opened.study, s.max_compiles,
-                           workers=workers), None
+                           workers=workers, deadline=deadline), None
+
+
+def budget_deadline(cfg: DictConfig, start: float) -> float | None:
+    """tune_mesh.budget_s as a time.monotonic() deadline (null: none); <= 0 is an error."""
+    budget = cfg.tune_mesh.get("budget_s")
+    if budget is None:
+        return None
+    if budget <= 0:
+        raise ConfigError(f"tune_mesh.budget_s={budget}: give seconds > 0, or null for none")
+    return start + float(budget)
+
+
+def cost_of(results, start: float, deadline: float | None, workers: int) -> dict[str, Any]:
+    """What the search cost: wall time, compiles made (cached ones cost nothing now) and
+    their summed compile time, and whether the budget stopped it."""
+    import time
+
+    fresh = list({r.candidate: r for r in results if r.compiled}.values())
+    return {"search_s": time.monotonic() - start, "compile_workers": workers,
+            "compiles": len(fresh),
+            "compile_s_total": sum(float(r.record.get("compile_s", 0.0)) for r in fresh),
+            "budget_s": None if deadline is None else deadline - start,
+            "stopped_at_budget": search.past(deadline)}
 
 
 def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -225,12 +249,22 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
               "were compiled under other settings (experiment, libtpu flags or versions): "
               "not reused", file=sys.stderr)
     reprofile(cache, out_dir, len(devices), chip)
+    import time
+
+    start = time.monotonic()
+    deadline = budget_deadline(cfg, start)
     pool, workers = _pool(cfg)
+    cached = set(cache.results)
     with pool as compile_pool:
         evaluator = Evaluator(base, moe, devices, chip, out_dir, s, compile_pool)
-        results, replay = search_space(cfg, cands, cache, evaluator, workers, out_dir)
+        results, replay = search_space(cfg, cands, cache, evaluator, workers, out_dir, deadline)
+    cost = cost_of([r for r in results if r.candidate not in cached], start, deadline, workers)
     winner = search.best(results)
-    summary = report.write(out_dir, cfg, where, chip, cands, results, winner, replay)
+    summary = report.write(out_dir, cfg, where, chip, cands, results, winner, replay, cost)
+    print(f"capibara-exp-tune-mesh: search took {cost['search_s']:.0f} s: {cost['compiles']} "
+          f"new compile(s), {cost['compile_s_total']:.0f} s of compiling on {workers} "
+          f"worker(s)" + ("; stopped at tune_mesh.budget_s" if cost["stopped_at_budget"]
+                          else ""), file=sys.stderr)
     if winner is not None:
         path, command = report.write_partitioning(cfg, base, winner, moe, s.conf_dir, out_dir,
                                                   s.partitioning_name, task_overrides)

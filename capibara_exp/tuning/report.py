@@ -82,8 +82,10 @@ def _calibration_line(summary: dict[str, Any]) -> str:
 
 def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequence[Candidate],
           results: Sequence[Result], winner: Result | None,
-          replay: list[int | None] | None) -> dict[str, Any]:
-    """Write mesh_report.md, mesh_report.png and mesh_results.json; return the summary."""
+          replay: list[int | None] | None, cost: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
+    """Write mesh_report.md, mesh_report.png and mesh_results.json; return the summary
+    (with the search's cost, plan.cost_of, when given)."""
     ranked = _ranked(results)
     agreement = _measured_agreement(results)
     summary: dict[str, Any] = {
@@ -100,6 +102,8 @@ def write(out_dir: Path, cfg: DictConfig, where: str, chip: Chip, cands: Sequenc
     }
     if replay is not None:
         summary["tpe_compiles_to_optimum"] = replay
+    if cost is not None:
+        summary["cost"] = cost
     (out_dir / RESULTS_JSON).write_text(json.dumps(
         {**summary, "results": [{"candidate": r.candidate.key, **r.record} for r in ranked]},
         indent=1, default=float) + "\n")
@@ -138,6 +142,12 @@ def _report_lines(cfg: DictConfig, where: str, chip: Chip, cands: Sequence[Candi
         *[_row(r) for r in ranked],
         "",
     ]
+    cost = summary.get("cost")
+    if cost:
+        lines += [f"Search cost: {cost['search_s']:.0f} s wall, {cost['compiles']} new compiles "
+                  f"({cost['compile_s_total']:.0f} s of compiling) on {cost['compile_workers']} "
+                  "worker(s)" + (f"; stopped at the budget of {cost['budget_s']:.0f} s"
+                                 if cost["stopped_at_budget"] else "") + ".", ""]
     if winner:
         bar = summary["est_error_bar"]
         lines.append(f"Best: **{winner.candidate.key}**, estimated {winner.value:.1%} MFU "

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -275,11 +276,11 @@ def _submitter(cache: Cache, evaluate: Evaluate, on_compile: Callable[[Result], 
 
 
 def optimize(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate, n_trials: int,
-             study: optuna.Study, max_compiles: int | None = None, workers: int = 1
-             ) -> list[Result]:
-    """Run trials until the study has told n_trials (a re-run continues) or max_compiles new
-    compiles were spent, `workers` at a time; return the results in the order the study
-    met them."""
+             study: optuna.Study, max_compiles: int | None = None, workers: int = 1,
+             deadline: float | None = None) -> list[Result]:
+    """Run trials until the study has told n_trials (a re-run continues), max_compiles new
+    compiles were spent or time.monotonic() passed `deadline` (compiles already running
+    finish), `workers` at a time; return the results in the order the study met them."""
     space = _space(cands)
     order = [cache.results[c] for c in (_lookup(cands, _decode(t.params, space))
                                         for t in study.trials if t.params)
@@ -291,17 +292,32 @@ def optimize(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate, n_tri
         compiles += result.compiled
 
     def more(running: int) -> bool:
-        return (told(study) + running < n_trials
+        return (told(study) + running < n_trials and not past(deadline)
                 and (max_compiles is None or compiles + running < max_compiles))
 
     order += list(_trials(cands, study, _submitter(cache, evaluate, count), more, workers))
     return order
 
 
-def exhaustive(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate) -> list[Result]:
-    """Every candidate: all submitted at once (a pool compiles them as workers free up)."""
+def past(deadline: float | None) -> bool:
+    """Whether a search's time budget (a time.monotonic() deadline) is spent."""
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def exhaustive(cands: Sequence[Candidate], cache: Cache, evaluate: Evaluate,
+               workers: int = 1, deadline: float | None = None) -> list[Result]:
+    """Every candidate, in order, `workers` compiles at a time (a cached or pruned one takes
+    no worker); none is started after `deadline` (those running finish)."""
     submit = _submitter(cache, evaluate, lambda result: None)
-    return [future.result() for future in [submit(c) for c in cands]]
+    futures: list[concurrent.futures.Future] = []
+    for cand in cands:
+        while sum(not f.done() for f in futures) >= workers:
+            concurrent.futures.wait([f for f in futures if not f.done()],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        if past(deadline) and cand not in cache.results:
+            break
+        futures.append(submit(cand))
+    return [future.result() for future in futures]
 
 
 def best(results: Sequence[Result]) -> Result | None:
