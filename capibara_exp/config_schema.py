@@ -274,7 +274,7 @@ RULES: dict[str, Rule] = {
     "consensus.merge_report_steps": Int(0, null=True),
     "tune_mesh.search": Choice("tpe", "random", "exhaustive"),
     "tune_mesh.n_trials": POSITIVE, "tune_mesh.max_compiles": Int(1, null=True),
-    "tune_mesh.hbm_reserve_gib": Float(0.0),
+    "tune_mesh.hbm_reserve_gib": Float(0.0), "tune_mesh.budget_s": Float(gt=0.0, null=True),
     **dict.fromkeys(("tune_mesh.model_partitions", "tune_mesh.expert_partitions",
                      "tune_mesh.per_chip_batch"), ListOf(POSITIVE, null=True)),
     "tune_mesh.num_microbatches": ListOf(POSITIVE), "tune_mesh.fsdp": ListOf(Rule("bool")),

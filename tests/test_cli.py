@@ -111,8 +111,9 @@ BAD = [
     (["+random_sed=7"], "unknown key 'random_sed' at the root"),
     (["+engine.nme=t5x"], "unknown key 'engine.nme'"),
     (["model=dense_tny"], "model=dense_tny: no such option in model/ (choose from dense_small, "
-                          "dense_tiny, gemma2_9b, gemma2_tiny, gemma3_4b, gemma3_tiny, llama3_8b, "
-                          "llama3_tiny, maxtext_v5e, mistral_7b, mistral_tiny, mixtral_8x7b, "
+                          "dense_tiny, gemma2_9b, gemma2_tiny, gemma3_4b, gemma3_tiny, llama2_70b, "
+                          "llama2_7b, llama3_70b, llama3_8b, llama3_tiny, maxtext_v5e, mistral_7b, "
+                          "mistral_tiny, mixtral_8x7b, "
                           "mixtral_tiny, moe_base, moe_tiny, qwen2_5_7b, qwen2_5_tiny, qwen3_8b, "
                           "qwen3_moe_30b_a3b, qwen3_moe_tiny, qwen3_tiny); did you mean "
                           "'dense_tiny'?"),
