@@ -19,6 +19,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 # family -> (transformers config class name, its options beyond SIZES)
 FAMILIES = {
+    "llama2": ("LlamaConfig", dict(rope_theta=10_000.0)),  # Llama 2: plain RoPE, no scaling
     "llama3": ("LlamaConfig", dict(rope_theta=500_000.0, rope_scaling=LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(sliding_window=5)),
     "qwen2_5": ("Qwen2Config", dict(rope_theta=1e6)),

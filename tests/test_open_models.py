@@ -95,3 +95,25 @@ def test_bfloat16_weights_keep_their_dtype(tmp_path: Path) -> None:
     assert record["dtypes"] == ["bfloat16"]
     meta = checkpoints.tree_metadata(Path(record["checkpoint"]))
     assert {str(m.dtype) for p, m in meta.items() if p[0] == "target"} == {"bfloat16"}
+
+
+# config.json of meta-llama/Llama-2-7b-hf, as published (the fields the import reads)
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000, "rms_norm_eps": 1e-05,
+             "rope_theta": 10000.0, "rope_scaling": None, "hidden_act": "silu",
+             "tie_word_embeddings": False, "max_position_embeddings": 4096}
+
+
+def test_llama2_config_imports_as_the_shipped_model_entry() -> None:
+    """The Llama 2 7B config.json gives the keys of conf/model/llama2_7b.yaml (the planner's
+    v5p recipes use that entry; the parity test above checks the family's arithmetic)."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+
+    _, imported_keys = families.model_keys(LLAMA2_7B)
+    entry = OmegaConf.to_container(compose_config(["model=llama2_7b"]).model, resolve=True)
+    differ = {k: (v, entry[k]) for k, v in imported_keys.items()
+              if k in entry and k != "dropout_rate" and v != entry[k]}
+    assert differ == {}
