@@ -9,8 +9,10 @@ keys and options the config has.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp.cli import compose_cache, compose_rest
+from capibara_exp.cli import compose_cache, compose_rest, parsed_cache
 from capibara_exp.config_check import (
     COMMAND_LINE,
     Composition,
@@ -66,7 +68,7 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
     choices = dict(cfg.hydra.runtime.choices)
 
     def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
+        with _reading():
             loader = GlobalHydra.instance().config_loader()
             defaults = loader.compute_defaults_list(config_name, given, mode).defaults
         return _setters(config_name, choices, defaults, overrides, dirs)
@@ -83,7 +85,7 @@ def keep(comp: Composition) -> None:
 
 def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides: list[str],
                    dirs: list[Path]) -> DictConfig:
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
+    with _reading():
         loader = GlobalHydra.instance().config_loader()
         try:
             return loader.load_configuration(config_name, given, mode, from_shell=True)
@@ -98,6 +100,15 @@ def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides:
             # must be a string or a list"; a 5,000-digit integer; a key too long for a
             # file name) and unreadable config files: what the user typed or wrote.
             raise ConfigError(_bad_group_value(overrides, dirs) or _odd_input(err)) from None
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """Hydra set up to compose from conf/, its files read with libyaml and reused by their
+    contents (parsed_cache.py)."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf(), \
+            parsed_cache.reused():
+        yield
 
 
 def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:
