@@ -55,12 +55,12 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
             raise ConfigError(f"--config-dir {d}: no such directory")
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     given = _with_search_path(overrides, dirs[: len(extra_dirs)])
-    key = compose_cache.key(config_name, given, dirs, multirun) \
-        if cached and compose_cache.enabled() else None
+    inputs = compose_cache.inputs(dirs) if cached and compose_cache.enabled() else None
+    key = compose_cache.key(config_name, given, dirs, multirun, inputs) if inputs else None
     cfg = compose_cache.load(key) if key else None
     if key and cfg is None and not multirun:  # perhaps a line that only sets values more
         cfg = compose_rest.from_kept_rest(
-            config_name, given, dirs, lambda k: _unknown_key(k, config_name, dirs))
+            config_name, given, dirs, inputs, lambda k: _unknown_key(k, config_name, dirs))
     if cfg is None:
         cfg = _hydra_compose(config_name, given, mode, overrides, dirs)
     else:  # the resolvers Hydra registers when it starts (${now:...}, ${hydra:...})

@@ -30,11 +30,11 @@ from capibara_exp.cli import compose_cache
 from capibara_exp.errors import ConfigError
 
 
-def from_kept_rest(config_name: str, given: list[str], dirs: list[Path],
+def from_kept_rest(config_name: str, given: list[str], dirs: list[Path], inputs: str,
                    unknown_key: Callable[[str], str]) -> DictConfig | None:
     """The composition of `given` (the overrides as Hydra gets them) from the kept
     composition of its rest, or None where Hydra must compose; ConfigError (unknown_key's
-    line) for a key the config lacks."""
+    line) for a key the config lacks. `inputs`: compose_cache.inputs(dirs)."""
     try:
         parsed = OverridesParser.create().parse_overrides(given)
     except Exception:  # noqa: BLE001 - Hydra says what is wrong with it
@@ -47,7 +47,7 @@ def from_kept_rest(config_name: str, given: list[str], dirs: list[Path],
     if not all(_chooses(o, dirs) for o in rest):
         return None
     kept = compose_cache.load(compose_cache.key(config_name, [o.input_line for o in rest],
-                                                dirs, False))
+                                                dirs, False, inputs))
     if kept is None:
         return None
     from capibara_exp import private_apis
