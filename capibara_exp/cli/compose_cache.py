@@ -9,9 +9,11 @@ directory (Hydra records it), the contents of every YAML file on the search path
 may read (the primary configs, every config group's options), the installed Hydra plugins,
 the project's code that composes (resolvers, compose.py), and the versions of Python,
 Hydra, OmegaConf and PyYAML. A change to any of them is another key: the next command
-composes afresh. Only compositions whose values passed the checks are kept (a refused
-command leaves nothing); an unreadable or unwritable cache is as if there were none.
-CAPIBARA_COMPOSE_CACHE=0 turns it off.
+composes afresh. Only compositions whose values passed the checks (or that --help and
+the like showed) are kept (a refused command leaves nothing); an unreadable or unwritable
+cache is as if there were none. A kept composition also serves a new line that only sets
+values more (compose_rest.py). CAPIBARA_COMPOSE_CACHE=0 turns it off, with the parsed
+config files (parsed_cache.py).
 """
 
 from __future__ import annotations
