@@ -1,6 +1,7 @@
 """Config files kept as OmegaConf read them (cli/parsed_cache.py): a composition from kept
 files is the one from the files themselves, an edited file is read afresh (only it), and a
-file that does not load fails as it always does and is never kept."""
+file that does not load fails as it always does and is never kept; a refused command keeps
+nothing."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from capibara_exp.cli import checks, flags, parsed_cache
 from capibara_exp.cli import compose as composing
-from capibara_exp.cli import parsed_cache
 from capibara_exp.errors import ConfigError
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.resolvers import register_resolvers
@@ -42,7 +43,10 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def compose(args: list[str], dirs: list[Path] = ()):
-    return composing.compose("config", args, list(dirs)).cfg
+    """Composed, then kept as a command whose checks passed keeps it."""
+    comp = composing.compose("config", args, list(dirs))
+    composing.keep(comp)
+    return comp.cfg
 
 
 def kept(cache: Path) -> dict:
@@ -102,6 +106,16 @@ def test_an_unreadable_cache_is_as_if_there_were_none(cache_home: Path,
     cache_home.write_bytes(b"not a pickle")
     assert compose([]).model.emb_dim == 128
     assert len(kept(cache_home)) >= 15  # written anew
+
+
+def test_a_refused_command_keeps_nothing(cache_home: Path) -> None:
+    with pytest.raises(ConfigError, match="trainer.train_steps"):
+        checks.compose_checked(flags.parse(["trainer.train_steps=-5"]), "config")
+    with pytest.raises(ConfigError, match="model.emb_dm"):
+        checks.compose_checked(flags.parse(["model.emb_dm=64"]), "config")
+    assert not cache_home.exists()
+    checks.compose_checked(flags.parse([]), "config")
+    assert len(kept(cache_home)) >= 15  # what all three read
 
 
 def test_switched_off_it_reads_and_keeps_nothing(cache_home: Path, parses: list[str],

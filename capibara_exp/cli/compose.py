@@ -81,6 +81,7 @@ def keep(comp: Composition) -> None:
     """Keep a composition (one made with `cached`) for the next command with its inputs."""
     if comp.cache_key:
         compose_cache.store(comp.cache_key, comp.cfg)
+    parsed_cache.keep()  # and the config files it read afresh
 
 
 def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides: list[str],

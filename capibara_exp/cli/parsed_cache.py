@@ -9,7 +9,9 @@ keyed by the file's bytes and by what turns them into a config: the versions of 
 OmegaConf and PyYAML, libyaml's presence and the loader capibara-exp gives OmegaConf
 (private_apis.py). An edited file is new bytes: read afresh, and only it. A file that does
 not load (malformed YAML, a bad interpolation) is never kept: it fails as it always does.
-CAPIBARA_COMPOSE_CACHE=0 turns it off with the kept compositions (compose_cache.py).
+What a command read is written only once its composition passed its checks (`keep`, from
+compose.keep): a refused command leaves nothing. CAPIBARA_COMPOSE_CACHE=0 turns it off with
+the kept compositions (compose_cache.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from capibara_exp.cli import compose_cache
 from capibara_exp.resolvers import user_cache_dir
 
 KEEP = 512  # entries kept (the newest): each is a few KB
+_read_here: dict[str, bytes] = {}  # what this process read afresh, for `keep`
 
 
 @contextlib.contextmanager
@@ -40,8 +43,7 @@ def reused() -> Iterator[None]:
 
     saved = OmegaConf.__dict__["load"]  # the staticmethod itself, put back as it was
     real = saved.__func__
-    entries = _read()
-    added: list[str] = []
+    entries = {**_read(), **_read_here}
 
     def load(file_):
         if not hasattr(file_, "read") or not hasattr(file_, "seek"):
@@ -54,8 +56,7 @@ def reused() -> Iterator[None]:
                 return pickle.loads(kept)
         file_.seek(0)  # PyYAML's marks name the file it reads: give it the file
         cfg = real(file_)
-        entries[name] = pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
-        added.append(name)
+        entries[name] = _read_here[name] = pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
         return cfg
 
     OmegaConf.load = staticmethod(load)
@@ -63,8 +64,13 @@ def reused() -> Iterator[None]:
         yield
     finally:
         OmegaConf.load = saved
-        if added:
-            _write(entries)
+
+
+def keep() -> None:
+    """Write what this process read afresh (its command passed its checks)."""
+    if _read_here:
+        _write({**_read(), **_read_here})
+        _read_here.clear()
 
 
 def _name(data: bytes) -> str:
