@@ -214,3 +214,19 @@ def test_a_value_hydra_refuses_is_refused_in_hydras_words(
         composing.compose("config", line, [], cached=True)
     assert str(ours.value) == str(hydras.value)
     assert "model.emb_dim" in str(ours.value) and len(composed) == 1
+
+
+def test_a_key_under_a_missing_value_is_hydras_to_decide(tmp_path: Path) -> None:
+    """`model.extra.b=1` where the kept config has `extra: ???`: not a plain mapping, Hydra
+    composes and decides."""
+    mine = tmp_path / "mine" / "model"
+    mine.mkdir(parents=True)
+    text = (CONF_DIR / "model" / "dense_tiny.yaml").read_text()
+    (mine / "holey.yaml").write_text(text + "\nextra: ???\n")
+    dirs, rest = [tmp_path / "mine"], ["model=holey"]
+    with pytest.raises(ConfigError) as hydras:
+        composing.compose("config", [*rest, "model.extra.b=1"], dirs)
+    composing.keep(composing.compose("config", rest, dirs, cached=True))
+    with pytest.raises(ConfigError) as ours:
+        composing.compose("config", [*rest, "model.extra.b=1"], dirs, cached=True)
+    assert str(ours.value) == str(hydras.value)

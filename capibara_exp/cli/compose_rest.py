@@ -67,7 +67,7 @@ def from_kept_rest(config_name: str, given: list[str], dirs: list[Path], inputs:
 
 def _has_key(cfg: DictConfig, dotted: str) -> bool | None:
     """Whether the config has the key; None where Hydra must decide (a mapping that takes
-    new keys, a key under a value or an interpolation)."""
+    new keys, a key under a value, an interpolation or a missing value `???`)."""
     *parents, leaf = dotted.split(".")
     node = cfg
     for part in [*parents, leaf]:
@@ -75,7 +75,8 @@ def _has_key(cfg: DictConfig, dotted: str) -> bool | None:
             return False if OmegaConf.is_struct(node) else None
         if part == leaf:
             return True
-        if OmegaConf.is_interpolation(node, part) or not isinstance(node[part], DictConfig):
+        if OmegaConf.is_interpolation(node, part) or OmegaConf.is_missing(node, part) \
+                or not isinstance(node[part], DictConfig):
             return None  # not a plain mapping all the way: Hydra decides
         node = node[part]
     return True
