@@ -53,7 +53,10 @@ def from_kept_rest(config_name: str, given: list[str], dirs: list[Path], inputs:
     from capibara_exp import private_apis
 
     for override in plain:  # in order, as Hydra applies them: its first refusal stands
-        has = _has_key(kept, override.key_or_group)
+        try:
+            has = _has_key(kept, override.key_or_group)
+        except Exception:  # noqa: BLE001 - a node this walk did not foresee: Hydra decides
+            return None
         if has is False:
             raise ConfigError(unknown_key(override.key_or_group))
         if has is None:
