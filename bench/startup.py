@@ -4,7 +4,7 @@
 against real T5X training the same config.gin where T5X is installed. Goal: the repeated
 run within 10 s on a 2-core CPU machine.
 
-    python bench/startup.py [--repeats 3] [--config-only]
+    python bench/startup.py [--repeats 3] [--config-only] [--no-bytecode]
 
 Each run is a new process with a new run dir, as a user's is; the first uses an empty
 cache dir ($XDG_CACHE_HOME) and data dir. Medians over the repeats.
@@ -66,42 +66,57 @@ def t5x_wall(root: Path, env: dict[str, str], repeats: int) -> float | None:
 CONFIG_COMMANDS = {"--help": ["--help"], "--cfg job": ["--cfg", "job"],
                    "a one-key mistake": ["model.emb_dm=64"]}
 CONFIG_GOAL = 2.0
+# How each is run: "kept", the same line again (its composition kept by its first run);
+# "new line", a line never run before that sets a value more than a line run before (a new
+# random_seed each time: cli/compose_rest.py); "new choice", a line never run before whose
+# group choices were never composed (ema=default and a new random_seed: Hydra composes, from
+# the config files earlier commands read: cli/parsed_cache.py); "cold", nothing kept at all
+# (CAPIBARA_COMPOSE_CACHE=0: a first command, or every command with the caches off).
+WAYS = {"kept": [], "new line": ["random_seed={seed}"],
+        "new choice": ["ema=default", "random_seed={seed}"], "cold": []}
 
 
-def config_paths(repeats: int, cwd: Path) -> bool:
+def config_paths(repeats: int, cwd: Path, bytecode: bool) -> bool:
     """Wall time of each config command against `python -c "import hydra"`, measured
     alternately in the same run (so load hits both alike); medians. True if within goal.
     CPU seconds (user + system) are printed beside: on a busy machine they are close to
-    what a quiet one's wall time would be. Each command is timed twice: reusing the
-    composition its first run kept (cli/compose_cache.py, in a new cache dir) and composing
-    afresh (CAPIBARA_COMPOSE_CACHE=0, what a command line's first command costs)."""
+    what a quiet one's wall time would be. Each command is timed in each of WAYS (in a new
+    cache dir). `bytecode`: every process, the baseline's too, runs from the bytecode
+    Python keeps (in cwd, written by the first runs), as an installed package does, even
+    where the environment says PYTHONDONTWRITEBYTECODE (then capibara_exp's own modules,
+    from an editable install, would be compiled anew by every command)."""
     base_cmd = [sys.executable, "-c", "import hydra"]
     cli = [sys.executable, "-m", "capibara_exp.cli"]
     kept = {**os.environ, "XDG_CACHE_HOME": str(cwd / "cache"), "CAPIBARA_COMPOSE_CACHE": "1"}
-    afresh = {**kept, "CAPIBARA_COMPOSE_CACHE": "0"}
-    runs = [("baseline", base_cmd, kept)]
-    for name, args in CONFIG_COMMANDS.items():
-        runs += [(f"{name} (kept)", [*cli, *args], kept), (f"{name} (afresh)", [*cli, *args],
-                                                               afresh)]
-    for _, cmd, env in runs[1::2]:  # the first run of each line keeps its composition
-        subprocess.run(cmd, cwd=cwd, env=env, capture_output=True)
+    if bytecode:
+        kept.pop("PYTHONDONTWRITEBYTECODE", None)
+        kept["PYTHONPYCACHEPREFIX"] = str(cwd / "pycache")
+    cold = {**kept, "CAPIBARA_COMPOSE_CACHE": "0"}
+    runs = [("baseline", lambda i: base_cmd, kept)]
+    for k, (name, args) in enumerate(CONFIG_COMMANDS.items()):
+        for way, more in WAYS.items():
+            runs.append((f"{name} ({way})", lambda i, a=[*args, *more], k=k: [
+                *cli, *(x.format(seed=1000 * k + i + 1) for x in a)],
+                cold if way == "cold" else kept))
+    for _, cmd, env in [runs[0], *runs[1::len(WAYS)]]:  # each line's first run keeps it
+        subprocess.run(cmd(0), cwd=cwd, env=env, capture_output=True)
     walls: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     cpus: dict[str, list[float]] = {name: [] for name in walls}
-    for _ in range(repeats):
+    for i in range(1, repeats + 1):
         for name, cmd, env in runs:
-            wall, cpu = _wall(cmd, cwd, env)
+            wall, cpu = _wall(cmd(i), cwd, env)
             walls[name].append(wall)
             cpus[name].append(cpu)
     base, base_cpu = statistics.median(walls["baseline"]), statistics.median(cpus["baseline"])
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores after the config "
-          "commands (wall times grow with it)")
+          f"commands (wall times grow with it); bytecode kept: {'yes' if bytecode else 'no'}")
     print(f"python -c 'import hydra' (median of {repeats}): {base:5.2f} s "
           f"({base_cpu:.2f} s CPU)")
     ok = True
     for name, _, _ in runs[1:]:
         wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
         ok &= wall / base <= CONFIG_GOAL
-        print(f"capibara-exp {name:<27} {wall:5.2f} s  {wall / base:4.1f}x the baseline "
+        print(f"capibara-exp {name:<32} {wall:5.2f} s  {wall / base:4.1f}x the baseline "
               f"(goal <= {CONFIG_GOAL:.0f}x); CPU {cpu:.2f} s, {cpu / base_cpu:4.1f}x")
     return ok
 
@@ -122,11 +137,13 @@ def _wall(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-bytecode", action="store_true",
+                        help="config commands under the environment's PYTHONDONTWRITEBYTECODE")
     parser.add_argument("--config-only", action="store_true",
                         help="only --help, --cfg job and a mistake against `import hydra`")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="capibara-config-") as tmp:
-        config_ok = config_paths(max(args.repeats, 5), Path(tmp))
+        config_ok = config_paths(max(args.repeats, 5), Path(tmp), not args.no_bytecode)
     print(f"{'PASS' if config_ok else 'FAIL'}: config commands within "
           f"{CONFIG_GOAL:.0f}x `import hydra`")
     if args.config_only:

@@ -49,6 +49,16 @@ USES = (
         "capibara-exp's own compositions (cli/compose.py) read them with the same loader on "
         "libyaml's parser (see libyaml_for_omegaconf); Hydra's job composes as it always "
         "does."),
+    PrivateUse(
+        "hydra._internal.config_loader_impl", "ConfigLoaderImpl._apply_overrides_to_config",
+        "Hydra's second step of a composition: the command line's overrides of the app's "
+        "keys applied, in order, to the config its defaults list composed. A line that only "
+        "sets values on a line kept composed (cli/compose_rest.py) takes that config and "
+        "this step, not a whole composition; Hydra's public API composes only whole lines."),
+    PrivateUse(
+        "hydra._internal.config_loader_impl", "get_overrides_dirname",
+        "hydra.job.override_dirname, which Hydra records of a composed line; made again for "
+        "the line cli/compose_rest.py composes (see the use above), as Hydra makes it."),
 )
 
 
@@ -100,3 +110,20 @@ def libyaml_for_omegaconf() -> Iterator[None]:
         yield
     finally:
         _utils.get_yaml_loader = saved
+
+
+def apply_hydra_overrides(overrides: list, cfg: object) -> None:
+    """Apply parsed overrides of the app's keys to a composed config as Hydra's composition
+    does after its defaults list (see USES)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    ConfigLoaderImpl._apply_overrides_to_config(overrides, cfg)
+
+
+def hydra_overrides_dirname(overrides: list, kv_sep: str, item_sep: str,
+                            exclude_keys: list) -> str:
+    """hydra.job.override_dirname of these parsed overrides, as Hydra makes it (see USES)."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+
+    return get_overrides_dirname(overrides=overrides, exclude_keys=list(exclude_keys),
+                                 item_sep=item_sep, kv_sep=kv_sep)

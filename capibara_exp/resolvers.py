@@ -36,7 +36,10 @@ def sweeper_keys() -> str:
 
     from capibara_exp.paths import CONF_DIR
 
-    data = yaml.safe_load((CONF_DIR / "hydra" / "sweeper" / "capibara_optuna.yaml").read_text())
+    # libyaml's safe loader where PyYAML has it (--help resolves this on every call)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    data = yaml.load((CONF_DIR / "hydra" / "sweeper" / "capibara_optuna.yaml").read_text(),
+                     Loader=loader)
     keys = [k for k in data if not k.startswith("_")]
     return textwrap.fill(", ".join(keys), 84, subsequent_indent="  ")
 

@@ -114,7 +114,7 @@ def test_a_key_typo_is_refused_from_the_kept_rest_of_the_line(
     assert composed == []
 
 
-def test_without_the_rest_kept_or_with_known_keys_hydra_composes(
+def test_without_the_rest_kept_or_under_a_value_hydra_composes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     composed = []
     real = composing._hydra_compose
@@ -124,6 +124,109 @@ def test_without_the_rest_kept_or_with_known_keys_hydra_composes(
     assert len(composed) == 1
     checked()  # the rest (nothing), kept
     assert checked("model.emb_dim=96", "trainer.train_steps=5").cfg.model.emb_dim == 96
+    assert len(composed) == 2  # (the value line: from the kept rest, not composed)
     with pytest.raises(ConfigError, match="unknown key 'trainer.train_steps.x'"):
         checked("trainer.train_steps.x=1")  # under a value, not a mapping: Hydra's to say
-    assert len(composed) == 4
+    assert len(composed) == 3
+
+
+def _spied(monkeypatch: pytest.MonkeyPatch) -> list:
+    composed: list = []
+    real = composing._hydra_compose
+    monkeypatch.setattr(composing, "_hydra_compose", lambda *a: composed.append(a) or real(*a))
+    return composed
+
+
+def _same(ours, hydras) -> None:
+    """The same config, hydra node, flags and records included."""
+    assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(hydras)
+    assert OmegaConf.is_struct(ours) and not OmegaConf.is_readonly(ours.hydra)
+    for key in ("hydra.overrides.task", "hydra.overrides.hydra", "hydra.job.override_dirname",
+                "hydra.runtime.choices"):
+        assert OmegaConf.select(ours, key) == OmegaConf.select(hydras, key), key
+
+
+VALUE_LINES = [  # (the rest, kept first; the whole line)
+    ([], ["random_seed=3"]),
+    ([], ["model.emb_dim=96", "trainer.train_steps=5", "name=x"]),
+    (["experiment=dense_small_rope"],
+     ["model.emb_dim=64", "experiment=dense_small_rope", "trainer.train_steps=9"]),
+    (["ema=default", "hydra.job.chdir=true"],
+     ["ema=default", "trainer.train_steps=9", "hydra.job.chdir=true", "ema.ema_decay=0.5"]),
+]
+
+
+@pytest.mark.parametrize(("rest", "line"), VALUE_LINES, ids=lambda a: " ".join(a))
+def test_a_line_that_only_sets_values_is_hydras_composition_from_the_kept_rest(
+        rest: list[str], line: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    hydras = composing.compose("config", line, []).cfg  # Hydra composes the whole line
+    checked(*rest)
+    composed = _spied(monkeypatch)
+    ours = checked(*line)
+    assert composed == []
+    _same(ours.cfg, hydras)
+    assert [str(o) for o in ours.cfg.hydra.overrides.task] == [
+        o for o in line if not o.startswith("hydra.")]
+
+
+def test_with_a_config_dir_the_kept_rest_is_that_search_paths(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    mine = tmp_path / "mine" / "model"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text((CONF_DIR / "model" / "dense_tiny.yaml").read_text())
+    args = ["--config-dir", str(tmp_path / "mine"), "model=mine"]
+    hydras = composing.compose("config", ["model=mine", "model.emb_dim=64"],
+                               [tmp_path / "mine"]).cfg
+    checked(*args)
+    composed = _spied(monkeypatch)
+    _same(checked(*args, "model.emb_dim=64").cfg, hydras)
+    assert composed == []
+    (mine / "mine.yaml").write_text("emb_dim: 1\n")  # an edit: the kept rest is stale
+    with pytest.raises(ConfigError):
+        checked(*args, "model.num_heads=2")
+    assert len(composed) == 1
+
+
+@pytest.mark.parametrize("line", [["~name", "random_seed=3"], ["random_seed=3", "+extra=1"],
+                                  ["model={emb_dim: 64}", "random_seed=3"]], ids=" ".join)
+def test_a_rest_that_sets_or_deletes_keys_is_composed_by_hydra(
+        line: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their order against the values matters (`k=v ~k`): Hydra applies the line."""
+    rest = [a for a in line if a != "random_seed=3"]
+    composing.keep(composing.compose("config", rest, [], cached=True))
+    composed = _spied(monkeypatch)
+    comp = composing.compose("config", line, [], cached=True)
+    assert len(composed) == 1
+    assert comp.cfg.random_seed == 3
+
+
+def test_a_value_hydra_refuses_is_refused_in_hydras_words(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key the config has, given a value Hydra's second step refuses (an unclosed
+    interpolation): Hydra composes the line and says so."""
+    line = ["random_seed=1", "model.emb_dim='${x'"]
+    with pytest.raises(ConfigError) as hydras:
+        composing.compose("config", line, [])
+    checked()
+    composed = _spied(monkeypatch)
+    with pytest.raises(ConfigError) as ours:
+        composing.compose("config", line, [], cached=True)
+    assert str(ours.value) == str(hydras.value)
+    assert "model.emb_dim" in str(ours.value) and len(composed) == 1
+
+
+def test_a_key_under_a_missing_value_is_hydras_to_decide(tmp_path: Path) -> None:
+    """`model.extra.b=1` where the kept config has `extra: ???`: not a plain mapping, Hydra
+    composes and decides."""
+    mine = tmp_path / "mine" / "model"
+    mine.mkdir(parents=True)
+    text = (CONF_DIR / "model" / "dense_tiny.yaml").read_text()
+    (mine / "holey.yaml").write_text(text + "\nextra: ???\n")
+    dirs, rest = [tmp_path / "mine"], ["model=holey"]
+    with pytest.raises(ConfigError) as hydras:
+        composing.compose("config", [*rest, "model.extra.b=1"], dirs)
+    composing.keep(composing.compose("config", rest, dirs, cached=True))
+    with pytest.raises(ConfigError) as ours:
+        composing.compose("config", [*rest, "model.extra.b=1"], dirs, cached=True)
+    assert str(ours.value) == str(hydras.value)

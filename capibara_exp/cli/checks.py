@@ -107,14 +107,17 @@ def sources(comp: Composition) -> dict[str, str]:
 
 
 def without_hydra(cfg: DictConfig) -> DictConfig:
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        cfg.pop("hydra", None)
-    return cfg
+    """A copy of the config without its `hydra` node (not copied: it is half the config),
+    with the root's struct and read-only flags."""
+    copy = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    OmegaConf.set_struct(copy, OmegaConf.is_struct(cfg))
+    if OmegaConf.is_readonly(cfg):
+        OmegaConf.set_readonly(copy, True)
+    return copy
 
 
 def _bind_model_dir(cfg: DictConfig, model_dir: str) -> DictConfig:
-    cfg = cfg.copy()
+    """model_dir set in `cfg`, check_run's own copy (without_hydra's)."""
     with open_dict(cfg):
         cfg.model_dir = model_dir
     return cfg

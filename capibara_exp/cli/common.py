@@ -44,8 +44,9 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
             if line.overrides:  # Hydra's app would refuse them as an internal error, midway
                 from capibara_exp.cli import compose as composing
 
-                composing.compose(config_name, [*line.overrides, *extra], line.config_dirs,
-                                  line.multirun, cached=True)
+                # kept, as --help keeps it: its text then composes nothing again
+                composing.keep(composing.compose(config_name, [*line.overrides, *extra],
+                                                 line.config_dirs, line.multirun, cached=True))
             environment.prepare()
             return line, None, line.hydra_argv(extra)
         from capibara_exp.cli import checks  # (gin and the bridge: not for --help)

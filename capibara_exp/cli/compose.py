@@ -9,8 +9,10 @@ keys and options the config has.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +20,13 @@ import yaml
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import OverrideType, ValueType
 from hydra.core.utils import setup_globals
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp.cli import compose_cache
+from capibara_exp.cli import compose_cache, compose_rest, parsed_cache
 from capibara_exp.config_check import (
     COMMAND_LINE,
     Composition,
@@ -54,11 +55,12 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
             raise ConfigError(f"--config-dir {d}: no such directory")
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     given = _with_search_path(overrides, dirs[: len(extra_dirs)])
-    key = compose_cache.key(config_name, given, dirs, multirun) \
-        if cached and compose_cache.enabled() else None
+    inputs = compose_cache.inputs(dirs) if cached and compose_cache.enabled() else None
+    key = compose_cache.key(config_name, given, dirs, multirun, inputs) if inputs else None
     cfg = compose_cache.load(key) if key else None
-    if key and cfg is None and not multirun:
-        _refuse_unknown_keys(config_name, overrides, extra_dirs, dirs)
+    if key and cfg is None and not multirun:  # perhaps a line that only sets values more
+        cfg = compose_rest.from_kept_rest(
+            config_name, given, dirs, inputs, lambda k: _unknown_key(k, config_name, dirs))
     if cfg is None:
         cfg = _hydra_compose(config_name, given, mode, overrides, dirs)
     else:  # the resolvers Hydra registers when it starts (${now:...}, ${hydra:...})
@@ -66,7 +68,7 @@ def compose(config_name: str, overrides: list[str], extra_dirs: list[Path],
     choices = dict(cfg.hydra.runtime.choices)
 
     def trace() -> dict[str, str]:  # only for messages: it walks Hydra's defaults list again
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
+        with _reading():
             loader = GlobalHydra.instance().config_loader()
             defaults = loader.compute_defaults_list(config_name, given, mode).defaults
         return _setters(config_name, choices, defaults, overrides, dirs)
@@ -79,52 +81,12 @@ def keep(comp: Composition) -> None:
     """Keep a composition (one made with `cached`) for the next command with its inputs."""
     if comp.cache_key:
         compose_cache.store(comp.cache_key, comp.cfg)
-
-
-def _refuse_unknown_keys(config_name: str, overrides: list[str], extra_dirs: list[Path],
-                         dirs: list[Path]) -> None:
-    """Refuse `a.b=v` for a key the config lacks, as Hydra would, without composing: where
-    the rest of the line (its group choices, + and ~, hydra.*) was kept composed, setting
-    values adds no key to it, so a key missing from that composition (under a mapping that
-    takes no new keys) is one Hydra refuses. Anything less certain is left to Hydra."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # noqa: BLE001 - Hydra says what is wrong with it
-        return
-    values = [_sets_a_value(o, dirs) for o in parsed]
-    plain = [o for o, value in zip(parsed, values, strict=True) if value]
-    if not plain:
-        return
-    rest = [o.input_line for o, value in zip(parsed, values, strict=True) if not value]
-    given = _with_search_path(rest, dirs[: len(extra_dirs)])
-    kept = compose_cache.load(compose_cache.key(config_name, given, dirs, False))
-    for override in plain if kept is not None else []:
-        *parents, leaf = override.key_or_group.split(".")
-        node = kept
-        for part in [*parents, leaf]:
-            if part not in node.keys():  # a mapping that takes no new key refuses it
-                if not OmegaConf.is_struct(node):
-                    return
-                raise ConfigError(_unknown_key(override.key_or_group, config_name, dirs))
-            if part == leaf:
-                break
-            if OmegaConf.is_interpolation(node, part) or not isinstance(node[part], DictConfig):
-                return  # not a plain mapping all the way: Hydra decides
-            node = node[part]
-
-
-def _sets_a_value(override: Any, dirs: list[Path]) -> bool:
-    """`key=value` for a key of the app's config (not a group, hydra's, a sweep, + or ~)."""
-    key = override.key_or_group
-    return (override.type == OverrideType.CHANGE and override.value_type == ValueType.ELEMENT
-            and override.package is None and "/" not in key
-            and not key.split(".")[0] == "hydra" and not isinstance(override.value(), dict)
-            and ("." in key or not any((root / key).is_dir() for root in dirs)))
+    parsed_cache.keep()  # and the config files it read afresh
 
 
 def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides: list[str],
                    dirs: list[Path]) -> DictConfig:
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf():
+    with _reading():
         loader = GlobalHydra.instance().config_loader()
         try:
             return loader.load_configuration(config_name, given, mode, from_shell=True)
@@ -139,6 +101,15 @@ def _hydra_compose(config_name: str, given: list[str], mode: RunMode, overrides:
             # must be a string or a list"; a 5,000-digit integer; a key too long for a
             # file name) and unreadable config files: what the user typed or wrote.
             raise ConfigError(_bad_group_value(overrides, dirs) or _odd_input(err)) from None
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """Hydra set up to compose from conf/, its files read with libyaml and reused by their
+    contents (parsed_cache.py)."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf(), \
+            parsed_cache.reused():
+        yield
 
 
 def _with_search_path(overrides: list[str], extra: list[Path]) -> list[str]:

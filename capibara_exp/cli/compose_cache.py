@@ -9,9 +9,11 @@ directory (Hydra records it), the contents of every YAML file on the search path
 may read (the primary configs, every config group's options), the installed Hydra plugins,
 the project's code that composes (resolvers, compose.py), and the versions of Python,
 Hydra, OmegaConf and PyYAML. A change to any of them is another key: the next command
-composes afresh. Only compositions whose values passed the checks are kept (a refused
-command leaves nothing); an unreadable or unwritable cache is as if there were none.
-CAPIBARA_COMPOSE_CACHE=0 turns it off.
+composes afresh. Only compositions whose values passed the checks (or that --help and
+the like showed) are kept (a refused command leaves nothing); an unreadable or unwritable
+cache is as if there were none. A kept composition also serves a new line that only sets
+values more (compose_rest.py). CAPIBARA_COMPOSE_CACHE=0 turns it off, with the parsed
+config files (parsed_cache.py).
 """
 
 from __future__ import annotations
@@ -27,23 +29,36 @@ from pathlib import Path
 from capibara_exp.resolvers import user_cache_dir
 
 KEEP = 64  # entries kept (the newest): each is some 25 KB
-_CODE = ("resolvers.py", "private_apis.py", "cli/compose.py", "cli/compose_cache.py")
+_CODE = ("resolvers.py", "private_apis.py", "cli/compose.py", "cli/compose_cache.py",
+         "cli/compose_rest.py")
 
 
 def enabled() -> bool:
     return os.environ.get("CAPIBARA_COMPOSE_CACHE", "1") != "0"
 
 
-def key(config_name: str, overrides: list[str], dirs: list[Path], multirun: bool) -> str:
-    """The entry's name for a composition of these inputs (see the module's docstring)."""
+def key(config_name: str, overrides: list[str], dirs: list[Path], multirun: bool,
+        reads: str | None = None) -> str:
+    """The entry's name for a composition of these inputs (see the module's docstring);
+    `reads`: what `inputs(dirs)` returned, where the caller has it."""
+    digest = hashlib.sha256()
+    for part in (config_name, "\0".join(overrides), str(multirun),
+                 reads if reads is not None else inputs(dirs)):
+        digest.update(part.encode("utf-8", "surrogateescape") + b"\1")
+    return digest.hexdigest()
+
+
+def inputs(dirs: list[Path]) -> str:
+    """A digest of what every composition on this search path reads besides its command
+    line: the working directory, the versions, the composing code, the config files, the
+    Hydra plugins (some 3 ms: one per command, however many lines it looks up)."""
     import hydra
     import omegaconf
     import yaml
 
     digest = hashlib.sha256()
-    for part in (config_name, "\0".join(overrides), str(multirun), os.getcwd(), sys.version,
-                 hydra.__version__, omegaconf.__version__, yaml.__version__,
-                 str(getattr(yaml, "__with_libyaml__", False))):
+    for part in (os.getcwd(), sys.version, hydra.__version__, omegaconf.__version__,
+                 yaml.__version__, str(getattr(yaml, "__with_libyaml__", False))):
         digest.update(part.encode("utf-8", "surrogateescape") + b"\1")
     package = Path(__file__).resolve().parents[1]
     for name in _CODE:

@@ -35,13 +35,11 @@ def render(config_name: str, line: CommandLine) -> str:
     composing.keep(comp)
     cfg = comp.cfg
     template = string.Template(OmegaConf.select(cfg, "hydra.help.template"))
-    app = OmegaConf.to_container(cfg, resolve=False)
-    app.pop("hydra", None)
     return template.safe_substitute(
         # sweeps/ is on the search path through hydra.searchpath, which Hydra's listing
         # does not follow: the template names the sweeps on a line of its own.
         APP_CONFIG_GROUPS=config_groups([d for d in comp.search_dirs if d != SWEEPS_ROOT]),
-        CONFIG=OmegaConf.to_yaml(OmegaConf.create(app)))
+        CONFIG=job_config(cfg))  # the config without its hydra node, as Hydra prints it
 
 
 def config_groups(search_dirs: list[Path]) -> str:
