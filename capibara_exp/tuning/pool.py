@@ -48,11 +48,15 @@ def _init(topology_name: str) -> None:
     _DEVICES[:] = topology.devices(topologies.get(topology_name))
 
 
-def _compile(plain_cfg: dict, chip: Any, reserve_bytes: float) -> tuple[dict[str, Any], str]:
-    from capibara_exp.tuning import aot
+def _compile(plain_cfg: dict, chip: Any, reserve_bytes: float, early_stop: bool = False
+             ) -> tuple[dict[str, Any], str]:
+    from capibara_exp.tuning import aot, early
 
     cfg = OmegaConf.create(plain_cfg)
-    compiled = aot.compile_step(cfg, _DEVICES, chip, reserve_bytes)
+    if early_stop:  # in a child of this worker, stopped at buffer assignment
+        compiled = early.compile_step(cfg, cfg.topology, chip, reserve_bytes)
+    else:
+        compiled = aot.compile_step(cfg, _DEVICES, chip, reserve_bytes)
     return compiled.record(), compiled.hlo_text
 
 
@@ -71,8 +75,8 @@ class CompilePool:
     def __exit__(self, *exc: Any) -> None:
         self.executor.shutdown(cancel_futures=True)
 
-    def submit(self, cfg: DictConfig, chip: Any, reserve_bytes: float
+    def submit(self, cfg: DictConfig, chip: Any, reserve_bytes: float, early_stop: bool = False
                ) -> concurrent.futures.Future:
         """Compile a config on the next free worker: a future of (record, HLO text)."""
         plain = OmegaConf.to_container(cfg, resolve=True)
-        return self.executor.submit(_compile, plain, chip, reserve_bytes)
+        return self.executor.submit(_compile, plain, chip, reserve_bytes, early_stop)
