@@ -156,11 +156,14 @@ def compile_step(cfg: Any, topology_name: str, chip: Chip, reserve_bytes: float 
             child = subprocess.Popen([sys.executable, "-m", "capibara_exp.tuning.early",
                                       str(where)], env=env, stdout=log, stderr=log)
         found, cpu_s = _wait(child.pid, where, t0 + timeout_s)
+        found_at = time.time()
         child.returncode = -1  # reaped by _wait: Popen must not wait for it again
         wall_s = time.perf_counter() - t0
         if found is None:
             return _child_result(where, wall_s, cpu_s)
-        return _from_dumps(where, *found, chip, reserve_bytes, wall_s, cpu_s)
+        result = _from_dumps(where, *found, chip, reserve_bytes, wall_s, cpu_s)
+        result.profiled["xla_until_dumps_s"] = found_at - result.profiled.pop("lowered_at")
+        return result
     finally:
         shutil.rmtree(where, ignore_errors=True)
 
@@ -192,6 +195,7 @@ def _from_dumps(where: Path, hlo_text: str, ba_text: str, chip: Chip, reserve_by
     measured = {f"{k}_bytes": v for k, v in memory.items() if k != "total"}
     result = aot.Compiled(True, "", wall_s, cpu_s, memory["total"], meta["model_flops"], 0.0,
                           {**fields, **measured, "memory_source": "buffer_assignment",
+                           "lowered_at": meta["lowered_at"],
                            "device_coords": meta["coords"]}, text, "early_stop")
     aot.check_budget(result, chip, reserve_bytes)
     return result
@@ -232,7 +236,8 @@ def child_main(where: Path) -> None:
         result = aot.Compiled(False, f"invalid: {aot._one_line(err)}")
     else:
         (where / "lowered.json").write_text(json.dumps({
-            "num_devices": len(devices), "model_flops": model_flops, "coords": coords}))
+            "num_devices": len(devices), "model_flops": model_flops, "coords": coords,
+            "lowered_at": time.time()}))
         result = aot.compile_lowered(lowered, len(devices), target.chip, model_flops, coords,
                                      job["reserve_bytes"])
     (where / "result.json").write_text(json.dumps({"record": result.record(),
