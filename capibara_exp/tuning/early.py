@@ -59,7 +59,7 @@ def dumped(where: Path) -> tuple[str, str] | None:
     for after in where.glob(f"*{AFTER_BA_SUFFIX}"):
         stem = after.name[: -len(AFTER_BA_SUFFIX)]
         hlo, ba = where / f"{stem}{HLO_SUFFIX}", where / f"{stem}{BA_SUFFIX}"
-        if not (hlo.exists() and ba.exists()):
+        if not (hlo.exists() and ba.exists() and ba.stat().st_size):
             continue
         text, again = hlo.read_text(), after.read_text()
         if text and text == again and text.rstrip().endswith("}"):
@@ -155,7 +155,12 @@ def compile_step(cfg: Any, topology_name: str, chip: Chip, reserve_bytes: float 
         with open(where / "child.log", "w") as log:
             child = subprocess.Popen([sys.executable, "-m", "capibara_exp.tuning.early",
                                       str(where)], env=env, stdout=log, stderr=log)
-        found, cpu_s = _wait(child.pid, where, t0 + timeout_s)
+        try:
+            found, cpu_s = _wait(child.pid, where, t0 + timeout_s)
+        except BaseException:  # interrupted: the child's compile must not outlive us
+            child.kill()
+            child.wait()
+            raise
         found_at = time.time()
         child.returncode = -1  # reaped by _wait: Popen must not wait for it again
         wall_s = time.perf_counter() - t0
