@@ -4,8 +4,10 @@ XLA's TPU compiler runs a compile on about one core (a moe_e2b_base candidate: a
 100 s of CPU for 100 s of wall time), so a planner on an N-core host compiles N candidates
 at once. Each worker is a spawned process that describes the topology once and then
 compiles what it is sent: the candidate's composed config in, the compile's record and
-HLO text out. Workers cost their own host memory (1-5 GB each for real models), so the
-pool is sized to the cores and to the memory available, whichever is smaller.
+HLO text out (with tune_mesh.early_stop, through a child process of its own that is killed
+at buffer assignment: tuning/early.py). Workers cost their own host memory (1-5 GB each
+for real models), so the pool is sized to the cores and to the memory available,
+whichever is smaller.
 """
 
 from __future__ import annotations
