@@ -105,25 +105,30 @@ PLAN = ["topology=v5e-4", "tune_mesh.search=exhaustive", "tune_mesh.replay_seeds
 
 def plan(tmp_path, name: str, *extra: str) -> dict:
     import json
+    import os
     import subprocess
 
+    temp = tmp_path / "tmp"  # the planner's own temporary directory (early-stop dumps)
+    temp.mkdir(exist_ok=True)
     out = subprocess.run([sys.executable, "-m", "capibara_exp.cli.tune_mesh", *PLAN, *extra,
                           f"tune_mesh.conf_dir={tmp_path / 'conf'}", f"hydra.run.dir={name}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "TMPDIR": str(temp)})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / name / "mesh_results.json").read_text())["results"]
     return {row["candidate"]: row for row in rows}
 
 
-def test_the_planner_ranks_early_stop_compiles_as_full_ones(own_tmp, monkeypatch):
-    """tune_mesh.early_stop=true: every candidate's estimate is the full compile's."""
-    monkeypatch.undo()  # the planner's own temporary directory
+def test_the_planner_ranks_early_stop_compiles_as_full_ones(own_tmp):
+    """tune_mesh.early_stop=true: every candidate's estimate is the full compile's, and
+    no dump is left behind."""
     full = plan(own_tmp, "full")
     got = plan(own_tmp, "early", "tune_mesh.early_stop=true")
     assert set(got) == set(full) and len(full) == 3
     for cand, row in got.items():
         assert row["compile_mode"] == "early_stop" and full[cand]["compile_mode"] == "full"
         assert {k: row[k] for k in PROFILED} == {k: full[cand][k] for k in PROFILED}, cand
+    assert list((own_tmp / "tmp").glob("capibara-early-*")) == []
 
 
 def test_early_stop_needs_a_tpu_topology(own_tmp):
