@@ -3,6 +3,7 @@
     python bench/compile_cost.py                       # the default variants, one process each
     python bench/compile_cost.py --variants base dot   # some of them
     python bench/compile_cost.py --dump                # also per-pass HLO dumps (slower)
+    python bench/compile_cost.py --early --variants base  # full compile vs early stop
 
 One candidate of the Llama 3.1 8B entry (conf/model/llama3_8b.yaml) at sequence 8,192 on
 v6e-256: one sequence per chip, FSDP over all chips, full remat, splash attention, scanned
@@ -12,6 +13,12 @@ tracing and the splash kernels' Mosaic lowering), to compile it (XLA's SPMD part
 TPU backend passes, Mosaic's kernel compile), the compile's CPU time and the process's peak
 RSS, and the figures the planner ranks by (peak HBM per chip, estimated step and MFU), so a
 variant that compiles faster can be checked to keep them. Ratios are against `base`.
+
+With --early, each variant is also compiled the planner's early-stop way
+(tuning/early.py: a child process killed once XLA has dumped the optimized HLO and buffer
+assignment); the table adds its wall and CPU time (child start-up and lowering included),
+the ratio of the full compile's wall time to it, whether the profile and estimate are the
+full compile's, and its memory figure (the buffer assignment's) beside XLA's peak.
 
 With --dump, XLA writes the module after every HLO pass that changed it under
 <out>/dump/<variant>; the gaps between the files' modification times say how long the
@@ -57,7 +64,21 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
+def _early(cfg, full_fields: dict) -> dict:
+    """The early-stop compile of the same candidate (its own child process), against the
+    full compile's profile fields."""
+    from capibara_exp import topologies
+    from capibara_exp.tuning import early
+
+    got = early.compile_step(cfg, cfg.topology, topologies.get(cfg.topology).chip)
+    keep = ("flops", "hbm_bytes", "collective_bytes", "est_step_s", "est_mfu")
+    return {"early_s": got.compile_s, "early_cpu_s": got.compile_cpu_s,
+            "early_xla_s": got.profiled.get("xla_until_dumps_s", float("nan")),
+            "early_peak_gib": got.memory_bytes / 2**30, "early_reason": got.reason,
+            "early_same_profile": all(got.profiled.get(k) == full_fields[k] for k in keep)}
+
+
+def child(name: str, overrides: list[str], libtpu: str | None, early: bool = False) -> dict:
     """Build, lower and compile one candidate here; its figures."""
     from hydra import compose, initialize_config_dir
 
@@ -92,11 +113,15 @@ def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
     t5 = time.perf_counter()
     cpu = time.process_time() - cpu0
     fields = aot.profile_fields(compiled.as_text(), len(devices), topo.chip, model_flops, coords)
-    return {"variant": name, "devices_s": t1 - t0, "build_s": t2 - t1, "lower_s": t3 - t2,
+    row = {"variant": name, "devices_s": t1 - t0, "build_s": t2 - t1, "lower_s": t3 - t2,
             "compile_s": t5 - t4, "compile_cpu_s": cpu, "stablehlo_chars": hlo_chars,
             "peak_gib": aot.memory_per_chip(compiled) / 2**30,
             "est_step_ms": fields["est_step_s"] * 1e3, "est_mfu": fields["est_mfu"],
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if early:
+        del compiled, lowered  # the early child's compile runs alone
+        row.update(_early(cfg, fields))
+    return row
 
 
 def pass_spans(dump: Path, top: int = 12) -> list[tuple[float, str]]:
@@ -107,7 +132,7 @@ def pass_spans(dump: Path, top: int = 12) -> list[tuple[float, str]]:
     return sorted(spans, reverse=True)[:top]
 
 
-def run_variant(name: str, out: Path, dump: bool, nice: int) -> dict:
+def run_variant(name: str, out: Path, dump: bool, nice: int, early: bool = False) -> dict:
     env = dict(os.environ)
     if dump:
         where = out / "dump" / name
@@ -115,7 +140,8 @@ def run_variant(name: str, out: Path, dump: bool, nice: int) -> dict:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={where}"
                             " --xla_dump_hlo_pass_re=.*"
                             " --xla_dump_hlo_module_re=jit__step").strip()
-    cmd = ["nice", "-n", str(nice), sys.executable, __file__, "--child", name]
+    cmd = ["nice", "-n", str(nice), sys.executable, __file__, "--child", name,
+           *(["--early"] if early else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         return {"variant": name, "error": done.stderr.strip().splitlines()[-1:]}
@@ -130,18 +156,20 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["base", "dot", "v6e-8"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--dump", action="store_true")
+    parser.add_argument("--early", action="store_true")
     parser.add_argument("--nice", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_compile_cost"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         spec = VARIANTS[args.child]
-        print(json.dumps(child(args.child, spec.get("overrides", []), spec.get("libtpu"))))
+        print(json.dumps(child(args.child, spec.get("overrides", []), spec.get("libtpu"),
+                               args.early)))
         return
     print(f"load average before: {os.getloadavg()}", flush=True)
     rows = []
     for name in args.variants:
-        row = run_variant(name, args.out, args.dump, args.nice)
+        row = run_variant(name, args.out, args.dump, args.nice, args.early)
         rows.append(row)
         print(json.dumps(row), f"load {os.getloadavg()[0]:.2f}", flush=True)
     base = next((r for r in rows if r["variant"] == "base" and "error" not in r), None)
@@ -154,6 +182,14 @@ def main() -> None:
         print(f"{r['variant']:10} {r['lower_s']:7.1f} {r['compile_s']:10.1f} "
               f"{r['compile_cpu_s']:6.1f} {ratio:7.2f} {r['peak_gib']:9.2f} "
               f"{r['est_step_ms']:7.1f} {r['est_mfu']:8.1%} {r['rss_gib']:8.2f}")
+        if "early_s" in r:
+            print(f"    early stop: {r['early_s']:.1f} s wall, {r['early_cpu_s']:.1f} s CPU "
+                  f"(start-up and lowering included; XLA until the dumps "
+                  f"{r['early_xla_s']:.1f} s), full/early wall "
+                  f"{r['compile_s'] / r['early_s']:.1f}x, CPU "
+                  f"{r['compile_cpu_s'] / r['early_cpu_s']:.1f}x; same profile and estimate: "
+                  f"{r['early_same_profile']}; memory {r['early_peak_gib']:.2f} GiB (buffer "
+                  f"assignment) vs peak {r['peak_gib']:.2f} GiB {r['early_reason']}")
         for span, what in r.get("spans", []):
             print(f"    {span:7.1f} s before {what}")
 

@@ -46,6 +46,8 @@ class Compiled:
     xla_flops: float = 0.0  # cost_analysis()'s figure, for comparison (loops counted once)
     profiled: dict[str, Any] = dataclasses.field(default_factory=dict)
     hlo_text: str = dataclasses.field(default="", repr=False)
+    # full: lowered.compile(); early_stop: stopped at buffer assignment (tuning/early.py)
+    compile_mode: str = "full"
 
     def record(self) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items()
@@ -126,12 +128,9 @@ def hbm_budget(chip: Chip, reserve_bytes: float = 0.0) -> float:
     return max(0.0, chip.usable_hbm_bytes - reserve_bytes)
 
 
-def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
-                 reserve_bytes: float = 0.0) -> Compiled:
-    """Compile cfg's train step for `devices`; a config the mesh cannot take, a compile that
-    runs out of HBM or a peak over hbm_budget(chip, reserve_bytes) is infeasible."""
-    import jax
-
+def lower_step(cfg: DictConfig, devices: Sequence[Any]) -> tuple[Any, float, Any]:
+    """(lowered step, model FLOPs per chip, mesh coordinates) of cfg's train step for
+    `devices`; ValueError/ConfigError when the mesh or config does not fit."""
     import gin
 
     try:
@@ -139,41 +138,65 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
         from capibara_exp.runtime import state as run_state
 
         lowered = run_state.lower_train_step(**bindings)
-        model_flops = model_flops_per_chip(bindings, len(devices))
-        coords = mesh_coords(bindings["partitioner"].mesh)
-    except (ValueError, ConfigError) as err:  # the mesh/config does not fit
-        return Compiled(False, f"invalid: {_one_line(err)}")
+        return (lowered, model_flops_per_chip(bindings, len(devices)),
+                mesh_coords(bindings["partitioner"].mesh))
     finally:
         gin.clear_config(clear_constants=True)
+
+
+def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
+                 reserve_bytes: float = 0.0) -> Compiled:
+    """Compile cfg's train step for `devices`; a config the mesh cannot take, a compile that
+    runs out of HBM or a peak over hbm_budget(chip, reserve_bytes) is infeasible."""
+    try:
+        lowered, model_flops, coords = lower_step(cfg, devices)
+    except (ValueError, ConfigError) as err:  # the mesh/config does not fit
+        return Compiled(False, f"invalid: {_one_line(err)}")
+    return compile_lowered(lowered, len(devices), chip, model_flops, coords, reserve_bytes)
+
+
+def compile_lowered(lowered: Any, num_devices: int, chip: Chip, model_flops: float,
+                    coords: Any, reserve_bytes: float = 0.0) -> Compiled:
+    """XLA's compile of a lowered step, read as the planner reads it."""
+    import jax
+
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises XlaRuntimeError (and others) for OOM and failures
-        message = _one_line(err)
-        if _OOM_RE.search(message):
-            return Compiled(False, f"out of HBM: {message}", time.perf_counter() - t0,
-                            time.process_time() - cpu0, oom_bytes(message))
-        return Compiled(False, f"compile failed: {message}", time.perf_counter() - t0,
-                        time.process_time() - cpu0)
+        return compile_failure(_one_line(err), time.perf_counter() - t0,
+                               time.process_time() - cpu0)
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     memory = memory_per_chip(compiled)
     text = compiled.as_text()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else {}
-    fields = profile_fields(text, len(devices), chip, model_flops, coords)
+    fields = profile_fields(text, num_devices, chip, model_flops, coords)
     result = Compiled(True, "", compile_s, compile_cpu_s, memory, model_flops,
                       float(cost.get("flops", 0.0)), {**fields, "device_coords": coords}, text)
-    budget = hbm_budget(chip, reserve_bytes)
-    if memory > budget:
-        result.feasible = False
-        result.reason = (f"over HBM budget: {memory / 2**30:.2f} GiB per chip > "
-                         f"{budget / 2**30:.2f} GiB (XLA's {chip.usable_hbm_bytes / 2**30:.2f} "
-                         f"GiB less a reserve of {reserve_bytes / 2**30:.2f} GiB)")
+    check_budget(result, chip, reserve_bytes)
     del compiled, lowered
     jax.clear_caches()
     gc.collect()
     return result
+
+
+def compile_failure(message: str, wall_s: float, cpu_s: float) -> Compiled:
+    """The infeasible record of a compile XLA refused: out of HBM, or failed."""
+    if _OOM_RE.search(message):
+        return Compiled(False, f"out of HBM: {message}", wall_s, cpu_s, oom_bytes(message))
+    return Compiled(False, f"compile failed: {message}", wall_s, cpu_s)
+
+
+def check_budget(result: Compiled, chip: Chip, reserve_bytes: float) -> None:
+    """Marks a compiled candidate whose memory exceeds the HBM budget infeasible."""
+    budget = hbm_budget(chip, reserve_bytes)
+    if result.memory_bytes > budget:
+        result.feasible = False
+        result.reason = (f"over HBM budget: {result.memory_bytes / 2**30:.2f} GiB per chip > "
+                         f"{budget / 2**30:.2f} GiB (XLA's {chip.usable_hbm_bytes / 2**30:.2f} "
+                         f"GiB less a reserve of {reserve_bytes / 2**30:.2f} GiB)")
 
 
 def _one_line(err: BaseException) -> str:

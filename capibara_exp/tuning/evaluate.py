@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.errors import ConfigError
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import aot, memory
+from capibara_exp.tuning import aot, early, memory
 from capibara_exp.tuning.space import Candidate
 
 HLO_DIR = "hlo"
@@ -101,10 +101,14 @@ class Evaluator:
             self.log(cand, record)
             return done(record)
         cfg = with_overrides(self.base, cand.overrides(self.moe))
+        early_stop = bool(self.s.get("early_stop"))
         if self.pool is not None:
-            raw = self.pool.submit(cfg, self.chip, self.reserve)
+            raw = self.pool.submit(cfg, self.chip, self.reserve, early_stop)
         else:
-            compiled = aot.compile_step(cfg, self.devices, self.chip, self.reserve)
+            if early_stop:
+                compiled = early.compile_step(cfg, cfg.topology, self.chip, self.reserve)
+            else:
+                compiled = aot.compile_step(cfg, self.devices, self.chip, self.reserve)
             raw = done((compiled.record(), compiled.hlo_text))
         out: concurrent.futures.Future = concurrent.futures.Future()
 

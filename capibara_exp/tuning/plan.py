@@ -37,14 +37,16 @@ def experiment_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def compile_context(base: DictConfig) -> dict[str, Any]:
+def compile_context(base: DictConfig, early_stop: bool = False) -> dict[str, Any]:
     """What every candidate's compile depends on besides the candidate: the experiment as
-    composed (its libtpu flags included) and the compiler's versions. The result cache
-    reuses only what was compiled under the same context."""
+    composed (its libtpu flags included), the compiler's versions and, for early-stop
+    compiles (whose memory figure differs), that. The result cache reuses only what was
+    compiled under the same context."""
     import jax
 
+    early = {"compile_mode": "early_stop"} if early_stop else {}
     return {"experiment": OmegaConf.to_container(base, resolve=False),
-            "jax": jax.__version__, "libtpu": topology.libtpu_version()}
+            "jax": jax.__version__, "libtpu": topology.libtpu_version(), **early}
 
 
 def target(name: str, dtype: str, libtpu_init_args: str | None = None
@@ -237,13 +239,16 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
         raise ConfigError(f"tune_mesh.measure=true times steps on the devices present; "
                           f"topology={cfg.topology} is not attached here (use topology=cpu, "
                           "or run on the slice itself)")
+    if s.get("early_stop") and cfg.topology in LOCAL:
+        raise ConfigError(f"tune_mesh.early_stop=true stops XLA's TPU compile early; "
+                          f"topology={cfg.topology} is not a TPU topology")
     base = experiment_config(cfg)
     moe = "num_experts" in cfg.model
     devices, chip, where = target(cfg.topology, cfg.model.dtype, cfg.get("libtpu_init_args"))
     slices = 1 if cfg.topology in LOCAL else topologies.get(cfg.topology).num_slices
     cands = build_candidates(cfg, len(devices), slices, cfg.topology in LOCAL)
     logging.getLogger("capibara_exp.tune_mesh").info("%d candidates on %s", len(cands), where)
-    cache = search.Cache(out_dir / CACHE, compile_context(base))
+    cache = search.Cache(out_dir / CACHE, compile_context(base, bool(s.get("early_stop"))))
     if cache.stale:
         print(f"capibara-exp-tune-mesh: {cache.stale} cached result(s) in {out_dir / CACHE} "
               "were compiled under other settings (experiment, libtpu flags or versions): "

@@ -4,8 +4,10 @@ XLA's TPU compiler runs a compile on about one core (a moe_e2b_base candidate: a
 100 s of CPU for 100 s of wall time), so a planner on an N-core host compiles N candidates
 at once. Each worker is a spawned process that describes the topology once and then
 compiles what it is sent: the candidate's composed config in, the compile's record and
-HLO text out. Workers cost their own host memory (1-5 GB each for real models), so the
-pool is sized to the cores and to the memory available, whichever is smaller.
+HLO text out (with tune_mesh.early_stop, through a child process of its own that is killed
+at buffer assignment: tuning/early.py). Workers cost their own host memory (1-5 GB each
+for real models), so the pool is sized to the cores and to the memory available,
+whichever is smaller.
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ def _init(topology_name: str) -> None:
     _DEVICES[:] = topology.devices(topologies.get(topology_name))
 
 
-def _compile(plain_cfg: dict, chip: Any, reserve_bytes: float) -> tuple[dict[str, Any], str]:
-    from capibara_exp.tuning import aot
+def _compile(plain_cfg: dict, chip: Any, reserve_bytes: float, early_stop: bool = False
+             ) -> tuple[dict[str, Any], str]:
+    from capibara_exp.tuning import aot, early
 
     cfg = OmegaConf.create(plain_cfg)
-    compiled = aot.compile_step(cfg, _DEVICES, chip, reserve_bytes)
+    if early_stop:  # in a child of this worker, stopped at buffer assignment
+        compiled = early.compile_step(cfg, cfg.topology, chip, reserve_bytes)
+    else:
+        compiled = aot.compile_step(cfg, _DEVICES, chip, reserve_bytes)
     return compiled.record(), compiled.hlo_text
 
 
@@ -71,8 +77,8 @@ class CompilePool:
     def __exit__(self, *exc: Any) -> None:
         self.executor.shutdown(cancel_futures=True)
 
-    def submit(self, cfg: DictConfig, chip: Any, reserve_bytes: float
+    def submit(self, cfg: DictConfig, chip: Any, reserve_bytes: float, early_stop: bool = False
                ) -> concurrent.futures.Future:
         """Compile a config on the next free worker: a future of (record, HLO text)."""
         plain = OmegaConf.to_container(cfg, resolve=True)
-        return self.executor.submit(_compile, plain, chip, reserve_bytes)
+        return self.executor.submit(_compile, plain, chip, reserve_bytes, early_stop)
