@@ -285,7 +285,7 @@ RULES: dict[str, Rule] = {
     "tune_mesh.attentions": ListOf(Choice("dot", "splash"), null=True),
     "tune_mesh.compile_workers": Int(1, null=True), "tune_mesh.seed": Int(0),
     "tune_mesh.measure_steps": POSITIVE, "tune_mesh.replay_seeds": POSITIVE,
-    "tune_mesh.early_stop": Rule("bool"),
+    "tune_mesh.early_stop": Rule("bool"), "tune_mesh.confirm_top": Int(0),
     **dict.fromkeys(("tune_mesh.partitioning_name", "tune_mesh.conf_dir"), Rule("str", null=True)),
 }
 

@@ -65,9 +65,11 @@ class Evaluator:
     """search.Evaluate for one experiment on one target: records of a batch of candidates."""
 
     def __init__(self, base: DictConfig, moe: bool, devices: Sequence[Any], chip: Chip,
-                 out_dir: Path, settings: DictConfig, pool: Any = None):
+                 out_dir: Path, settings: DictConfig, pool: Any = None,
+                 early_stop: bool = False):
         self.base, self.moe, self.devices, self.chip = base, moe, devices, chip
         self.out_dir, self.s, self.pool = out_dir, settings, pool
+        self.early_stop = early_stop  # stop each compile at buffer assignment (early.py)
         self.reserve = settings.hbm_reserve_gib * GIB
         self.budget = aot.hbm_budget(chip, self.reserve)
         self._shapes: memory.Shapes | None = None
@@ -101,7 +103,7 @@ class Evaluator:
             self.log(cand, record)
             return done(record)
         cfg = with_overrides(self.base, cand.overrides(self.moe))
-        early_stop = bool(self.s.get("early_stop"))
+        early_stop = self.early_stop
         if self.pool is not None:
             raw = self.pool.submit(cfg, self.chip, self.reserve, early_stop)
         else:

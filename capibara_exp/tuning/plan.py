@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from capibara_exp import topologies
 from capibara_exp.errors import ConfigError
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import aot, profile, report, search, space, topology
+from capibara_exp.tuning import aot, confirm, profile, report, search, space, topology
 from capibara_exp.tuning.evaluate import Evaluator
 
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
@@ -230,6 +230,22 @@ def cost_of(results, start: float, deadline: float | None, workers: int) -> dict
             "stopped_at_budget": search.past(deadline)}
 
 
+def open_cache(out_dir: Path, base: DictConfig, early_stop: bool, num_devices: int,
+               chip: Chip) -> search.Cache:
+    """The result cache of one compile mode (early-stop and full rows are kept apart by
+    their context), its rows brought up to date (reprofile)."""
+    cache = search.Cache(out_dir / CACHE, compile_context(base, early_stop))
+    reprofile(cache, out_dir, num_devices, chip)
+    return cache
+
+
+def confirm_cost(fresh: Sequence[search.Result]) -> dict[str, Any]:
+    """The full compiles that confirmed early-stop rows (cached ones cost nothing now)."""
+    fresh = [r for r in fresh if r.compiled]
+    return {"confirm_compiles": len(fresh),
+            "confirm_s_total": sum(float(r.record.get("compile_s", 0.0)) for r in fresh)}
+
+
 def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The task function: search, report, write the partitioning entry; the winner's record."""
     s = cfg.tune_mesh
@@ -239,37 +255,50 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
         raise ConfigError(f"tune_mesh.measure=true times steps on the devices present; "
                           f"topology={cfg.topology} is not attached here (use topology=cpu, "
                           "or run on the slice itself)")
-    if s.get("early_stop") and cfg.topology in LOCAL:
-        raise ConfigError(f"tune_mesh.early_stop=true stops XLA's TPU compile early; "
-                          f"topology={cfg.topology} is not a TPU topology")
     base = experiment_config(cfg)
     moe = "num_experts" in cfg.model
     devices, chip, where = target(cfg.topology, cfg.model.dtype, cfg.get("libtpu_init_args"))
     slices = 1 if cfg.topology in LOCAL else topologies.get(cfg.topology).num_slices
     cands = build_candidates(cfg, len(devices), slices, cfg.topology in LOCAL)
     logging.getLogger("capibara_exp.tune_mesh").info("%d candidates on %s", len(cands), where)
-    cache = search.Cache(out_dir / CACHE, compile_context(base, bool(s.get("early_stop"))))
-    if cache.stale:
-        print(f"capibara-exp-tune-mesh: {cache.stale} cached result(s) in {out_dir / CACHE} "
-              "were compiled under other settings (experiment, libtpu flags or versions): "
-              "not reused", file=sys.stderr)
-    reprofile(cache, out_dir, len(devices), chip)
+    # A TPU topology ranks by early-stop compiles (on the devices present: full ones).
+    early_stop = bool(s.get("early_stop")) and cfg.topology not in LOCAL
+    cache = open_cache(out_dir, base, early_stop, len(devices), chip)
+    full_cache = open_cache(out_dir, base, False, len(devices), chip) if early_stop else cache
+    stale = sum(c not in (cache.context, full_cache.context) for c in cache.other_contexts())
+    if stale:
+        print(f"capibara-exp-tune-mesh: {stale} cached result(s) in {out_dir / CACHE} were "
+              "compiled under other settings (experiment, libtpu flags or versions): not "
+              "reused", file=sys.stderr)
     import time
 
     start = time.monotonic()
     deadline = budget_deadline(cfg, start)
     pool, workers = _pool(cfg)
-    cached = set(cache.results)
+    cached, fully_cached = set(cache.results), set(full_cache.results)
+    fulls: list[search.Result] = []
     with pool as compile_pool:
-        evaluator = Evaluator(base, moe, devices, chip, out_dir, s, compile_pool)
-        results, replay = search_space(cfg, cands, cache, evaluator, workers, out_dir, deadline)
-    cost = cost_of([r for r in results if r.candidate not in cached], start, deadline, workers)
+        evaluator = Evaluator(base, moe, devices, chip, out_dir, s, compile_pool, early_stop)
+        searched, replay = search_space(cfg, cands, cache, evaluator, workers, out_dir,
+                                        deadline)
+        results = searched
+        if early_stop:  # the winner and rows near the HBM budget, compiled in full
+            full_eval = Evaluator(base, moe, devices, chip, out_dir, s, compile_pool)
+            results, fulls = confirm.confirm(
+                searched, evaluator.budget,
+                lambda c: search.exhaustive(c, full_cache, full_eval, workers),
+                s.confirm_top)
+    cost = cost_of([r for r in searched if r.candidate not in cached], start, deadline, workers)
+    cost.update(confirm_cost([r for r in fulls if r.candidate not in fully_cached]))
     winner = search.best(results)
     summary = report.write(out_dir, cfg, where, chip, cands, results, winner, replay, cost)
     print(f"capibara-exp-tune-mesh: search took {cost['search_s']:.0f} s: {cost['compiles']} "
-          f"new compile(s), {cost['compile_s_total']:.0f} s of compiling on {workers} "
-          f"worker(s)" + ("; stopped at tune_mesh.budget_s" if cost["stopped_at_budget"]
-                          else ""), file=sys.stderr)
+          f"new {'early-stop ' if early_stop else ''}compile(s), "
+          f"{cost['compile_s_total']:.0f} s of compiling on {workers} worker(s)"
+          + (f"; {len(fulls)} confirmed by a full compile ({cost['confirm_compiles']} new, "
+             f"{cost['confirm_s_total']:.0f} s)" if early_stop else "")
+          + ("; stopped at tune_mesh.budget_s" if cost["stopped_at_budget"] else ""),
+          file=sys.stderr)
     if winner is not None:
         path, command = report.write_partitioning(cfg, base, winner, moe, s.conf_dir, out_dir,
                                                   s.partitioning_name, task_overrides)

@@ -91,6 +91,10 @@ class Cache:
         """How many kept rows were compiled under another context (not reused)."""
         return len(self._others)
 
+    def other_contexts(self) -> list[str | None]:
+        """The context of each kept row compiled under another context."""
+        return [json.loads(line).get("context") for line in self._others]
+
     def _line(self, cand: Candidate, record: dict[str, Any]) -> str:
         return json.dumps({"candidate": dataclasses.asdict(cand), "record": record,
                            "context": self._row_context.get(cand, self.context)}) + "\n"
