@@ -36,6 +36,17 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}"
 
 
+def _confirm_line(ranked: Sequence[Result], cost: dict[str, Any]) -> str:
+    """What confirming early-stop rows cost (tuning/confirm.py), when any was."""
+    confirmed = sum("early_compile_s" in r.record for r in ranked)
+    if not confirmed and not any(r.record.get("compile_mode") == "early_stop" for r in ranked):
+        return ""
+    return (f" Ranked by early-stop compiles; {confirmed} confirmed by a full compile "
+            f"({cost.get('confirm_compiles', 0)} new, {cost.get('confirm_s_total', 0.0):.0f} s "
+            "of it): the winner, the best few and those near the HBM budget; their memory is "
+            "XLA's peak, the others' the buffer assignment's total.")
+
+
 def _row(r: Result) -> str:
     c, rec = r.candidate, r.record
     needed = rec.get("memory_bytes") or oom_bytes(rec.get("reason", ""))
@@ -50,6 +61,10 @@ def _row(r: Result) -> str:
     measured = _ms(rec["measured_step_s"]) if "measured_step_s" in rec else "-"
     status = "ok" if r.feasible else rec.get("reason", "")[:90].replace("|", "/")
     compile_s = "pruned" if rec.get("pruned") else f"{rec.get('compile_s', 0):.1f}"
+    if "early_compile_s" in rec:  # an early-stop row confirmed by a full compile
+        compile_s = f"{rec['early_compile_s']:.1f} early + {compile_s} full"
+    elif rec.get("compile_mode") == "early_stop":
+        compile_s += " early"
     return (f"| {c.data} x {c.expert} x {c.model} | {c.num_microbatches} | {c.remat_policy} | "
             f"{'yes' if c.fsdp else 'no'} | {c.attention} | {c.activation_sharding} | "
             f"{c.batch_size} | {memory} | {est} | "
@@ -147,7 +162,8 @@ def _report_lines(cfg: DictConfig, where: str, chip: Chip, cands: Sequence[Candi
         lines += [f"Search cost: {cost['search_s']:.0f} s wall, {cost['compiles']} new compiles "
                   f"({cost['compile_s_total']:.0f} s of compiling) on {cost['compile_workers']} "
                   "worker(s)" + (f"; stopped at the budget of {cost['budget_s']:.0f} s"
-                                 if cost["stopped_at_budget"] else "") + ".", ""]
+                                 if cost["stopped_at_budget"] else "") + "."
+                  + _confirm_line(ranked, cost), ""]
     if winner:
         bar = summary["est_error_bar"]
         lines.append(f"Best: **{winner.candidate.key}**, estimated {winner.value:.1%} MFU "
