@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 import yaml
@@ -15,9 +15,7 @@ from optuna.trial import TrialState
 from capibara_exp.errors import ConfigError
 from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import files
-
-if TYPE_CHECKING:
-    from capibara_exp.sweeping.study import SweepSettings
+from capibara_exp.sweeping.settings import SweepSettings
 
 log = logging.getLogger(__name__)
 RESULTS = "optimization_results.yaml"
