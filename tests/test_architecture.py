@@ -165,7 +165,7 @@ def test_no_script_shadows_the_standard_library(folder: str) -> None:
 
 
 def test_modules_and_functions_stay_small() -> None:
-    """STYLE.md: modules <= 400 lines, functions <= 60."""
+    """docs/design.md (style): modules <= 400 lines, functions <= 60."""
     big = []
     for path in SOURCES:
         text = path.read_text()

@@ -30,7 +30,7 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study, run_lock
+from capibara_exp import atomic, optuna_study, run_lock
 from capibara_exp.sweeping.results import NOT_RUN, RETRIED
 from capibara_exp.sweeping.retry import Outage
 from capibara_exp.sweeping.settings import PRUNED_AT, PRUNER_OPTIONS, RUN_DIR
@@ -139,10 +139,7 @@ def keep(sweep_dir: Path, number: int, result: Mapping[str, Any]) -> Path:
     box = sweep_dir / OUTBOX
     box.mkdir(parents=True, exist_ok=True)
     path = box / f"trial-{number}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"number": number, **result}))
-    os.replace(tmp, path)
-    return path
+    return atomic.write_text(path, json.dumps({"number": number, **result}))
 
 
 def settled(record: Mapping[str, Any],

@@ -12,9 +12,9 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
+from capibara_exp import atomic
 from capibara_exp.errors import ConfigError
 from capibara_exp.sweeping import best as best_lib
-from capibara_exp.sweeping import files
 from capibara_exp.sweeping.settings import SweepSettings
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
     from capibara_exp.sweeping.plots import write_plots  # matplotlib, only once a sweep ends
 
     results["plots"] = write_plots(study, sweep_dir)
-    files.write_text(sweep_dir / RESULTS, yaml.safe_dump(results, sort_keys=False))
+    atomic.write_text(sweep_dir / RESULTS, yaml.safe_dump(results, sort_keys=False))
     return results
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-# Host memory one compile of a real model may take (DESIGN.md measured 0.9-5.3 GB).
+# Host memory one compile of a real model may take (docs/design.md: 0.9-5.3 GB measured).
 WORKER_HOST_BYTES = 3 << 30
 
 

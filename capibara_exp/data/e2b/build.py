@@ -22,9 +22,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from capibara_exp import run_lock
+from capibara_exp import atomic, run_lock
 from capibara_exp.data import routing
-from capibara_exp.data.corpus import atomic_write
 from capibara_exp.data.e2b import (
     at_rest,
     collector,
@@ -81,7 +80,7 @@ def fingerprint(cfg: dict) -> str:
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    atomic.write_lines(path, (json.dumps(r, ensure_ascii=False) for r in rows))
 
 
 def scrubbing_report(sc: dict) -> dict:
@@ -271,7 +270,7 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
         "files": {str(p.relative_to(out)): report.sha256(p) for p in _files(out)},
     }
     manifest = scrub.scrub_tree(manifest)[0]
-    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
+    atomic.write_bytes(out / "manifest.json", json.dumps(manifest, indent=2).encode())
     return manifest
 
 
