@@ -235,7 +235,7 @@ RULES: dict[str, Rule] = {
     "partitioning.activation_sharding": Choice("batch", "tensor", "sequence"),
     # checkpoint
     "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
-    "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),
+    "checkpoint.checkpoint_dtype": Choice(*model_facts.DTYPES),
     "checkpoint.initial_checkpoint": PathRule(null=True),
     # engine
     "engine.name": Choice("local", "t5x", "tpu_vm"), "engine.runtime": Choice("t5x", "local"),
@@ -282,7 +282,7 @@ RULES: dict[str, Rule] = {
     "tune_mesh.splash_fused_bwd": ListOf(Rule("bool"), null=True),
     "tune_mesh.splash_blocks": ListOf(Int(128), null=True),
     "tune_mesh.activation_shardings": ListOf(Choice("batch", "tensor", "sequence")),
-    "tune_mesh.attentions": ListOf(Choice("dot", "splash"), null=True),
+    "tune_mesh.attentions": ListOf(Choice(*model_facts.ATTENTIONS), null=True),
     "tune_mesh.compile_workers": Int(1, null=True), "tune_mesh.seed": Int(0),
     "tune_mesh.measure_steps": POSITIVE, "tune_mesh.replay_seeds": POSITIVE,
     **dict.fromkeys(("tune_mesh.partitioning_name", "tune_mesh.conf_dir"), Rule("str", null=True)),

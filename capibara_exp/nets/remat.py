@@ -34,7 +34,7 @@ def policy_for(policy: str, save: tuple[str, ...] = (), offload: tuple[str, ...]
         return None
     if policy == "full":
         return policies.nothing_saveable
-    if policy in ("dots", "minimal"):
+    if policy in model_facts.REMAT_DOTS:
         return policies.dots_with_no_batch_dims_saveable
     kept, moved = model_facts.remat_names(policy, save, offload)
     if not moved:

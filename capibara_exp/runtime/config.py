@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from capibara_exp import model_facts
+
 
 class UnsupportedParameter(ValueError):
     """A T5X parameter that the local engine does not implement was set."""
@@ -160,8 +162,9 @@ class CheckpointConfig:
 
 
 def _check_dtype(where: str, dtype: str) -> None:
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"{where}: '{dtype}' is not one of 'float32', 'bfloat16'")
+    if dtype not in model_facts.DTYPES:
+        raise ValueError(f"{where}: '{dtype}' is not one of "
+                         f"{', '.join(map(repr, model_facts.DTYPES))}")
 
 
 _FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay", "decay_every",

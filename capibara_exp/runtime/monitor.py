@@ -126,7 +126,7 @@ def check_network_bound(model: Any, length: int) -> None:
         return
     sizes = model_facts.sizes(cfg, getattr(module, "moe_config", None))
     d, layers = cfg.emb_dim, cfg.num_layers
-    itemsize = 2 if getattr(cfg, "dtype", "float32") == "bfloat16" else 4
+    itemsize = model_facts.DTYPE_BYTES.get(sizes.dtype, 4)
     counts = model_facts.counts(sizes)
     embedding = 4.0 * (counts.embedding * (1 if sizes.tied else 2)) / jax.device_count()
     depth = 4.0 * (counts.total - counts.embedding * (1 if sizes.tied else 2)) \

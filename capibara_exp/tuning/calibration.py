@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from capibara_exp import model_facts
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning import profile, topology
@@ -77,18 +78,9 @@ FIT_PARAMETERS = ("mxu_efficiency", "collective_overlap")
 
 
 def maxtext_flops_per_chip(model: dict, batch_size: int, length: int, chips: int) -> float:
-    """MaxText's training FLOPs per chip per step: 6 x parameters x tokens (weights, the
-    logits' embedding, norms; key/value projections at num_kv_heads) + 6 x heads x layers x
-    head_dim x length^2 per sequence (causal)."""
-    d, h, k, f, layers = (model[key] for key in ("emb_dim", "num_heads", "head_dim", "mlp_dim",
-                                                 "num_layers"))
-    kv = model.get("num_kv_heads") or h
-    per_layer = (2 * d * h * k + 2 * d * kv * k + len(model["mlp_activations"]) * d * f
-                 + f * d + 2 * d)
-    params = model["vocab_size"] * d + layers * per_layer + d
-    weights = 6.0 * params * length * batch_size
-    attention = 6.0 * h * layers * k * length * length * batch_size
-    return (weights + attention) / chips
+    """MaxText's training FLOPs per chip per step (model_facts owns the count)."""
+    return model_facts.maxtext_train_flops_per_step(model_facts.sizes(model), batch_size,
+                                                    length) / chips
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import topologies
+from capibara_exp import model_facts, topologies
 from capibara_exp.errors import ConfigError
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning import aot, profile, report, search, space, topology
@@ -114,10 +114,11 @@ def attentions(cfg: DictConfig, local: bool) -> list[str]:
         why.append(f"sequence length {length} (needs a multiple of 128, of 512 above 512)")
     listed = cfg.tune_mesh.get("attentions")
     if listed is None:
-        return ["dot", "splash"] if not why and not local else ["dot"]
+        return list(model_facts.ATTENTIONS) if not why and not local else ["dot"]
     for name in listed:
-        if name not in ("dot", "splash"):
-            raise ConfigError(f"tune_mesh.attentions: '{name}' is not one of ['dot', 'splash']")
+        if name not in model_facts.ATTENTIONS:
+            raise ConfigError(f"tune_mesh.attentions: '{name}' is not one of "
+                              f"{list(model_facts.ATTENTIONS)}")
         if name == "splash" and why:
             raise ConfigError(f"tune_mesh.attentions lists splash, which this model cannot "
                               f"take: {'; '.join(why)}")

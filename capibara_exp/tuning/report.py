@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp import model_facts
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
@@ -234,7 +235,7 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
             "trainer": {"num_microbatches": merged.trainer.num_microbatches},
             "model": {"remat_policy": merged.model.remat_policy,
                       "attention": merged.model.attention}}
-    if merged.model.remat_policy in ("offload", "custom"):  # its per-tensor lists
+    if merged.model.remat_policy in model_facts.REMAT_WITH_LISTS:  # its per-tensor lists
         body["model"].update({k: list(merged.model.get(k) or [])
                               for k in ("remat_save", "remat_offload")})
     if cand.batch_size != base.data.batch_size:

@@ -17,13 +17,11 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 
-from capibara_exp import meshes
+from capibara_exp import meshes, model_facts
 from capibara_exp.logical_axes import ACTIVATION_SHARDINGS
 
-# Searchable policies (nets/remat.py), from the most saved to the least ('custom' takes its
-# lists from the experiment and is not searched; 'offload' moves the layer inputs to host).
-REMAT_POLICIES = ("none", "dots", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
-                  "save_qkv_proj", "offload", "full")
+# Searchable policies, from the most saved to the least (model_facts owns the list).
+REMAT_POLICIES = model_facts.REMAT_SEARCHED
 
 
 @dataclasses.dataclass(frozen=True, order=True)
