@@ -152,7 +152,7 @@ def test_stage_settings_are_checked() -> None:
             parse_stages([stage], 2)
 
 
-def test_easy_to_hard_stages_read_the_routing_data_by_difficulty(data_dir) -> None:
+def test_easy_to_hard_stages_read_the_routing_data_by_difficulty(e2b_data) -> None:
     import dataclasses
 
     from capibara_exp.data import routing_difficulty

@@ -34,13 +34,13 @@ from capibara_exp.data.e2b import (
     sandbox,
     scrub,
 )
+from capibara_exp.data.e2b.built import DATASET, dataset_dir
 from capibara_exp.data.e2b.heldout import generated
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import parse_records
 from capibara_exp.data.e2b.report import BuildError
 from capibara_exp.errors import ConfigError
 
-DATASET = "e2b_routing"
 SOURCES = ("e2b_logs", "ace_playbooks")
 _KEYS = (
     "collect",
@@ -56,10 +56,6 @@ _KEYS = (
 # build did not write (left by an earlier build) is removed.
 _OUTPUT_DIRS = ("logs", "examples", "playbooks", "quarantine", "routing", "sources")
 __all__ = ["BuildError", "build", "build_config", "dataset_dir", "ensure_built", "summary"]
-
-
-def dataset_dir(data_dir: str | os.PathLike) -> Path:
-    return Path(data_dir) / DATASET
 
 
 def default_config() -> dict:
