@@ -97,14 +97,13 @@ def _task_of(key: str, vocabulary: seqio.Vocabulary | None = None) -> str:
     return name
 
 
-def _left_out(required: bool) -> dict[str, str]:
-    """Domains and sources the built data leave out of mixtures (none before a build, when
-    the data are not `required` yet)."""
+def _left_out() -> dict[str, str]:
+    """Domains and sources the built data leave out of mixtures (none before a build: a
+    mixture named before the data exist, as in an ahead-of-time compile, is whole, and
+    reading it says how to build them)."""
     try:
         return built.manifest(data_dir())["routing"].get("left_out", {})
     except (built.NotBuilt, KeyError):
-        if required:
-            raise
         return {}
 
 
@@ -137,7 +136,7 @@ def mixture_with_rates(name: str, rates: dict,
     (data.mixture_rates.sql=2.0) and the model's vocabulary reach the mixture in both
     engines.
     """
-    left_out = _left_out(required=True)
+    left_out = _left_out()
     rates = _without_left_out(name, _check_rates(name, dict(rates)), left_out)
     base = variant_name(name, vocabulary)
     if base in seqio.MixtureRegistry.names():
@@ -171,7 +170,7 @@ def register() -> None:
         _add_task(domain_task(domain), "routing", domain)
     for source, task in SOURCE_TASKS.items():
         _add_task(task, "sources", source)
-    left_out = _left_out(required=False)
+    left_out = _left_out()
     for name, rates in _shipped_mixtures().items():
         with contextlib.suppress(ValueError):  # all left out: mixture_with_rates says so
             add_mixture(name, rates, left_out)
