@@ -64,7 +64,8 @@ def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
     from capibara_exp import environment, topologies
     from capibara_exp.cli.common import register_resolvers
     from capibara_exp.paths import CONF_DIR
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.tuning import aot
+    from capibara_exp.tuning import tpu_slice as topology
 
     environment.select_platform()
     environment.import_tensorflow()

@@ -106,13 +106,13 @@ def build(mode: str, experiment: str, base_dir: Path, tpu: str | None):
     from capibara_exp import topologies
     from capibara_exp.runtime import checkpoints
     from capibara_exp.runtime import state as run_state
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.tuning import aot, tpu_slice
 
     extra = {"lora": LORA, "qlora": QLORA}.get(mode, [])
     overrides = [f"experiment={experiment}", *extra, *(TPU_OVERRIDES if tpu else [])]
     if extra:
         overrides.append(f"lora.base_checkpoint={base_dir}")
-    devices = topology.devices(topologies.get(tpu)) if tpu else jax.devices()
+    devices = tpu_slice.devices(topologies.get(tpu)) if tpu else jax.devices()
     bindings = aot.train_bindings(aot.render_local_gin(compose(overrides)), devices)
     model, data_cfg = bindings["model"], bindings["train_dataset_cfg"]
     length = max(data_cfg.task_feature_lengths.values())

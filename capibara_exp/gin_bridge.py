@@ -53,13 +53,13 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from capibara_exp.runtime import optimizers",
         "from capibara_exp.runtime import partitioning",
         "from capibara_exp.runtime import trainer",
-        "from capibara_exp.runtime import config as utils",
+        "from capibara_exp.runtime import utils",
         # optax whose numbers are optimizer state: a sweep's trials share one compiled step
         "from capibara_exp.runtime import hyperparams",
         # one module holds t5x.contrib.moe's model, partitioner and trainer
-        "from capibara_exp.runtime import moe as moe_models",
-        "from capibara_exp.runtime import moe as moe_partitioning",
-        "from capibara_exp.runtime import moe as moe_trainer",
+        "from capibara_exp.runtime import contrib_moe as moe_models",
+        "from capibara_exp.runtime import contrib_moe as moe_partitioning",
+        "from capibara_exp.runtime import contrib_moe as moe_trainer",
     ),
 }
 COMMON_IMPORTS = (

@@ -194,8 +194,8 @@ def run(cfg: DictConfig, compose: Composer, train: Callable[..., Any],
 
 
 def _merge(mc: DictConfig, out: Path, passing: list[Strategy]) -> dict:
-    from capibara_exp.consensus import evaluate, store
     from capibara_exp.consensus import run as run_parts
+    from capibara_exp.consensus import store, validation
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import merge
     from capibara_exp.consensus.registry import spec_from
@@ -207,7 +207,7 @@ def _merge(mc: DictConfig, out: Path, passing: list[Strategy]) -> dict:
     candidates = [store.candidate_from_path(out / "members" / s.name, name=s.name)
                   for s in passing]
     first = out / "members" / passing[0].name
-    evaluator, held_out = evaluate.from_parts(run_parts.load_parts(first / "config.gin"))
+    evaluator, held_out = validation.from_parts(run_parts.load_parts(first / "config.gin"))
     merged_dir = out / "merged"
     if merged_dir.exists():  # the merge is redone from the members (its inputs)
         shutil.rmtree(merged_dir)

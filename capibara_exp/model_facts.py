@@ -24,7 +24,7 @@ REMAT_WITH_LISTS = ("offload", "custom")
 REMAT_DOTS = ("dots", "minimal")  # every matmul output saved, no tensor named
 REMAT_POLICIES = ("none", "full", *REMAT_DOTS, "save_dot_except_mlpwi", "save_dot_except_mlp",
                   "save_qkv_proj", *REMAT_WITH_LISTS)
-# The planner's search (tuning/space.py), from the most saved to the least ('custom' takes
+# The planner's search (tuning/mesh_space.py), from the most saved to the least ('custom' takes
 # its lists from the experiment and is not searched; 'offload' moves the layer inputs to host).
 REMAT_SEARCHED = ("none", "dots", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
                   "save_qkv_proj", "offload", "full")

@@ -51,7 +51,7 @@ SCRIPTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "capibara-exp-data": ("capibara_exp.cli.data", [("capibara_exp.cli.data", "_app")]),
     "capibara-exp-tune-mesh": ("capibara_exp.cli.tune_mesh",
                                [("capibara_exp.cli.tune_mesh", "_app")]),
-    "capibara-exp-plot": ("capibara_exp.cli.plot", [("capibara_exp.plots", "render")]),
+    "capibara-exp-plot": ("capibara_exp.cli.plot", [("capibara_exp.run_curves", "render")]),
     "capibara-exp-convert": ("capibara_exp.cli.convert", [("capibara_exp.cli.convert", "run")]),
     "capibara-exp-lora": ("capibara_exp.cli.lora",
                           [("capibara_exp.runtime.lora.export", "export_run")]),

@@ -172,11 +172,11 @@ def test_the_planner_compiles_fsdp_x_tensor_with_a_smaller_peak_under_tensor():
     """The planner's own compile (aot.compile_step) of an FSDP 2 x tensor 2 candidate for
     v5e-4: XLA's peak per chip is lower with the residual stream split over 'model'."""
     from capibara_exp import topologies
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.tuning import aot, tpu_slice
     from tests.conftest import compose_config
 
     target = topologies.get("v5e-4")
-    devices = topology.devices(target)
+    devices = tpu_slice.devices(target)
     peaks = {}
     for layout in ("batch", "tensor"):
         cfg = compose_config([*MEDIUM, f"partitioning.activation_sharding={layout}"])

@@ -285,7 +285,7 @@ SCRIPTS = {
              "capibara_exp.data.e2b.build:ensure_built"),
     "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
     "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
-    "plot": (["RUN"], ["EMPTY"], "capibara_exp.plots:render"),
+    "plot": (["RUN"], ["EMPTY"], "capibara_exp.run_curves:render"),
 }
 
 

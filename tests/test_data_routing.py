@@ -307,7 +307,7 @@ def test_mixture_gives_packed_batches_and_next_fit_is_seqio(tasks) -> None:
 
     from capibara_exp.data import packing
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(
         mixture_or_task_name="capibara_e2b_routing",
@@ -366,7 +366,7 @@ def test_routing_gin_binds_the_mixture_and_packer(tasks, tmp_path: Path) -> None
     gin_utils.parse(tmp_path / "config.gin", gin_bridge.render(cfg, "local", GIN_DIR))
     name = gin.get_configurable(tasks.mixture_with_rates)()
     assert name.startswith("capibara_e2b_routing_")  # the overridden rate made a variant
-    from capibara_exp.runtime import config as utils
+    from capibara_exp.runtime import utils
 
     with gin.config_scope("train"):
         assert gin.get_configurable(utils.DatasetConfig)().packer == packing.Packer("next_fit")
@@ -450,7 +450,7 @@ def test_dropping_the_batch_iterator_stops_its_producer(tasks) -> None:
     import seqio
 
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(
         mixture_or_task_name=tasks.domain_task("ml"),

@@ -135,7 +135,7 @@ def test_default_data_packing_is_a_conf_key(packing: str | None, tmp_path: Path)
     unless told), passed to the input pipeline in the DatasetConfigs the local engine's gin
     edge builds; T5X packs with seqio and ignores it."""
     from capibara_exp.data.packing import Packer
-    from capibara_exp.runtime import config as utils
+    from capibara_exp.runtime import utils
 
     cfg = compose_config([f"data.packing={packing}"] if packing else [])
     text = gin_bridge.render(cfg, "local", GIN_DIR)

@@ -11,7 +11,7 @@ import optax
 from flax import serialization
 
 from capibara_exp.runtime import hyperparams as lifted_optax
-from capibara_exp.runtime.config import create_learning_rate_scheduler
+from capibara_exp.runtime.utils import create_learning_rate_scheduler
 
 
 def params() -> dict:

@@ -129,12 +129,12 @@ def check_sweep(comp: Composition) -> None:
     params = hydra.sweeper.get("params")
     params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
     task = list(hydra.overrides.task)
-    from capibara_exp.sweeping import space, study
+    from capibara_exp.sweeping import search_space, study
 
     settings = {k: v for k, v in OmegaConf.to_container(hydra.sweeper, resolve=True).items()
                 if k != "_target_"}
     study.SweepSettings(**settings)
-    searched = space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
+    searched = search_space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
     if not searched.distributions:
         raise ConfigError("hydra.sweeper.params and the command line define no search "
                           "dimension (use choice(...), range(...), interval(...))")

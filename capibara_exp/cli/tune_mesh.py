@@ -38,10 +38,10 @@ _app = app.hydra_app("config", _plan)
 def check_libtpu(cfg: DictConfig) -> None:
     """A TPU topology needs libtpu: refused before Hydra makes the study's dir."""
     if cfg.topology != "cpu":
-        from capibara_exp.tuning import topology
+        from capibara_exp.tuning import tpu_slice
 
-        if not topology.libtpu_installed():
-            raise ConfigError(f"topology={cfg.topology}: {topology.INSTALL_HINT}")
+        if not tpu_slice.libtpu_installed():
+            raise ConfigError(f"topology={cfg.topology}: {tpu_slice.INSTALL_HINT}")
 
 
 @console(PROG)

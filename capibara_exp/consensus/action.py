@@ -111,9 +111,9 @@ class ConsensusMerge(ChecksumCheckpoints):
         if self.fired_at is not None or step < self.total_steps:
             return False
         self.fired_at = step
-        from capibara_exp.consensus import report, store
-        from capibara_exp.consensus.evaluate import held_out
+        from capibara_exp.consensus import merge_report, store
         from capibara_exp.consensus.merge import merge
+        from capibara_exp.consensus.validation import held_out
 
         evaluator = report_evaluator = None
         if self.model is not None and self.eval_dataset_cfg is not None:
@@ -122,7 +122,7 @@ class ConsensusMerge(ChecksumCheckpoints):
         candidates = store.last_k(self.model_dir, self.last_k, self.use_ema)
         self.report = merge(candidates, self.spec, self.model_dir / MERGED_SUBDIR, evaluator,
                             self.gate, report_evaluator=report_evaluator)
-        for line in report.warning_lines(self.report):
+        for line in merge_report.warning_lines(self.report):
             print(f"capibara-exp consensus merge: {line}", file=sys.stderr)
         if self.events is not None:
             self.events.emit("merge", report=self.report)

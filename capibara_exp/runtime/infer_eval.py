@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capibara_exp.runtime.config import DatasetConfig
+from capibara_exp.runtime.utils import DatasetConfig
 
 SPLIT = "inference_eval"
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capibara_exp import logical_axes as axes
 from capibara_exp import meshes
-from capibara_exp.runtime.config import reject_unsupported
+from capibara_exp.runtime.utils import reject_unsupported
 
 LogicalRules = Sequence[tuple[str, str | None]]
 # Devices a partitioner lays its mesh over when not jax.devices(): the chips of a TPU

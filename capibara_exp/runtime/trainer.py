@@ -15,7 +15,7 @@ import optax
 from flax import serialization, traverse_util
 
 from capibara_exp.runtime import hyperparams
-from capibara_exp.runtime.config import reject_unsupported
+from capibara_exp.runtime.utils import reject_unsupported
 
 
 @flax.struct.dataclass

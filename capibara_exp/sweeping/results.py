@@ -59,7 +59,7 @@ def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
         results["pareto_front"] = [{"trial": t.number, "params": dict(t.params),
                                     "values": list(t.values)} for t in study.best_trials]
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    from capibara_exp.sweeping.plots import write_plots  # matplotlib, only once a sweep ends
+    from capibara_exp.sweeping.study_plots import write_plots  # matplotlib, only once a sweep ends
 
     results["plots"] = write_plots(study, sweep_dir)
     atomic.write_text(sweep_dir / RESULTS, yaml.safe_dump(results, sort_keys=False))

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from capibara_exp import optuna_study
 from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
 from capibara_exp.sweeping import recovery
-from capibara_exp.sweeping import space as space_lib
+from capibara_exp.sweeping import search_space as space_lib
 from capibara_exp.sweeping.recovery import ERROR
 from capibara_exp.sweeping.retry import StorageUnavailable
 from capibara_exp.sweeping.settings import (

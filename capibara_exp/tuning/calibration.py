@@ -27,7 +27,7 @@ from typing import Any
 from capibara_exp import model_facts
 from capibara_exp.paths import CONF_DIR
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import profile, topology
+from capibara_exp.tuning import profile, tpu_slice
 from capibara_exp.tuning.estimate import FITTED, StepModel, estimate
 from capibara_exp.tuning.profile import StepProfile
 
@@ -198,7 +198,7 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
     cfg = compose(experiment)
     target = topologies.get(cfg.topology)
     # libtpu reads its flags once per process: one experiment's flags per process.
-    devices = topology.devices(target, cfg.get("libtpu_init_args") or None)
+    devices = tpu_slice.devices(target, cfg.get("libtpu_init_args") or None)
     compiled = aot.compile_step(cfg, devices, target.chip)
     if not compiled.feasible:
         raise RuntimeError(f"{experiment} does not compile for {cfg.topology}: {compiled.reason}")
@@ -213,7 +213,7 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
                   target.chips),
               "device_coords": compiled.profiled["device_coords"],
               "fingerprint": fingerprint(cfg),
-              "jax": jax.__version__, "libtpu": topology.libtpu_version()}
+              "jax": jax.__version__, "libtpu": tpu_slice.libtpu_version()}
     (where / f"{experiment}.json").write_text(json.dumps(record) + "\n")
     return record
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from capibara_exp import model_facts
-from capibara_exp.tuning.space import Candidate
+from capibara_exp.tuning.mesh_space import Candidate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from capibara_exp import model_facts, topologies
 from capibara_exp.errors import ConfigError
 from capibara_exp.topologies import Chip
-from capibara_exp.tuning import aot, profile, report, search, space, topology
-from capibara_exp.tuning.evaluate import Evaluator
+from capibara_exp.tuning import aot, mesh_space, plan_report, profile, search, tpu_slice
+from capibara_exp.tuning.evaluator import Evaluator
 
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
 STUDY_DB = "mesh_study.db"
@@ -44,7 +44,7 @@ def compile_context(base: DictConfig) -> dict[str, Any]:
     import jax
 
     return {"experiment": OmegaConf.to_container(base, resolve=False),
-            "jax": jax.__version__, "libtpu": topology.libtpu_version()}
+            "jax": jax.__version__, "libtpu": tpu_slice.libtpu_version()}
 
 
 def target(name: str, dtype: str, libtpu_init_args: str | None = None
@@ -63,7 +63,7 @@ def target(name: str, dtype: str, libtpu_init_args: str | None = None
         topo = topologies.get(name)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return (topology.devices(topo, libtpu_init_args), topo.chip,
+    return (tpu_slice.devices(topo, libtpu_init_args), topo.chip,
             f"{topo.name} ({topo.jax_name}, {topo.chips} chips)")
 
 
@@ -143,10 +143,10 @@ def splash_choices(cfg: DictConfig) -> dict[str, list]:
 
 
 def build_candidates(cfg: DictConfig, chips: int, num_slices: int = 1, local: bool = False
-                     ) -> list[space.Candidate]:
+                     ) -> list[mesh_space.Candidate]:
     s = cfg.tune_mesh
     num_experts = cfg.model.get("num_experts")
-    cands = space.candidates(
+    cands = mesh_space.candidates(
         chips, cfg.model.num_heads, num_experts, cfg.data.batch_size,
         num_microbatches=list(s.num_microbatches), remat_policies=list(s.remat_policies),
         fsdp=list(s.fsdp), per_chip_batch=list(s.per_chip_batch) if s.per_chip_batch else None,
@@ -261,13 +261,13 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
         results, replay = search_space(cfg, cands, cache, evaluator, workers, out_dir, deadline)
     cost = cost_of([r for r in results if r.candidate not in cached], start, deadline, workers)
     winner = search.best(results)
-    summary = report.write(out_dir, cfg, where, chip, cands, results, winner, replay, cost)
+    summary = plan_report.write(out_dir, cfg, where, chip, cands, results, winner, replay, cost)
     print(f"capibara-exp-tune-mesh: search took {cost['search_s']:.0f} s: {cost['compiles']} "
           f"new compile(s), {cost['compile_s_total']:.0f} s of compiling on {workers} "
           f"worker(s)" + ("; stopped at tune_mesh.budget_s" if cost["stopped_at_budget"]
                           else ""), file=sys.stderr)
     if winner is not None:
-        path, command = report.write_partitioning(cfg, base, winner, moe, s.conf_dir, out_dir,
+        path, command = plan_report.write_partitioning(cfg, base, winner, moe, s.conf_dir, out_dir,
                                                   s.partitioning_name, task_overrides)
         summary.update(partitioning_file=str(path), command=command)
         print(f"capibara-exp-tune-mesh: best {winner.candidate.key}; wrote {path}\n"
@@ -275,5 +275,5 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
     else:
         print("capibara-exp-tune-mesh: no feasible candidate; see the report for why",
               file=sys.stderr)
-    print(f"capibara-exp-tune-mesh: report {out_dir / report.REPORT_MD}", file=sys.stderr)
+    print(f"capibara-exp-tune-mesh: report {out_dir / plan_report.REPORT_MD}", file=sys.stderr)
     return summary

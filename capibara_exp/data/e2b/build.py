@@ -26,19 +26,19 @@ from capibara_exp import atomic, run_lock
 from capibara_exp.data import routing
 from capibara_exp.data.e2b import (
     at_rest,
+    build_report,
     collector,
     heldout,
     playbooks,
     processing,
-    report,
     sandbox,
     scrub,
 )
+from capibara_exp.data.e2b.build_report import BuildError
 from capibara_exp.data.e2b.built import DATASET, dataset_dir
 from capibara_exp.data.e2b.heldout import generated
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import parse_records
-from capibara_exp.data.e2b.report import BuildError
 from capibara_exp.errors import ConfigError
 
 SOURCES = ("e2b_logs", "ace_playbooks")
@@ -165,9 +165,9 @@ def _examples(out: Path, cfg: dict, log_q: Quarantine, written: list[Path], inpu
     )
     log_q.write(_quarantine_path(out, "logs"), root=out)
     written.append(_quarantine_path(out, "logs"))
-    per_input = report.per_input(ignored, stats["per_file"], log_q, root=out)
-    report.check_inputs(per_input, cfg, _quarantine_path(out, "logs"))
-    report.check_examples(examples, stats, log_q, cfg, _quarantine_path(out, "logs"))
+    per_input = build_report.per_input(ignored, stats["per_file"], log_q, root=out)
+    build_report.check_inputs(per_input, cfg, _quarantine_path(out, "logs"))
+    build_report.check_examples(examples, stats, log_q, cfg, _quarantine_path(out, "logs"))
     _write_jsonl(out / "examples" / "examples.jsonl", examples)
     written.append(out / "examples" / "examples.jsonl")
     return examples, stats, collection, per_input
@@ -243,8 +243,8 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
     examples, proc_stats, collection, per_input = _examples(out, cfg, log_q, written, inputs)
     kept, pb_stats = _playbooks(out, cfg, examples, pb_q, written)
     rows = _routing_rows(examples, kept, cfg["splits"])
-    left_out = report.left_out_tasks(rows, SOURCES)
-    report.check_domains(left_out, cfg)
+    left_out = build_report.left_out_tasks(rows, SOURCES)
+    build_report.check_domains(left_out, cfg)
     written += _write_tasks(out, rows)
     for stale in set(_files(out)) - set(written):
         stale.unlink()  # left by an earlier build with other settings; not part of this one
@@ -254,16 +254,16 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
         "fingerprint": fingerprint(cfg),
         "config": {k: cfg[k] for k in _KEYS},
         "inputs": per_input,
-        "warnings": report.warnings(left_out),
+        "warnings": build_report.warnings(left_out),
         "secret_scrubbing": scrubbing,
         "sandbox_network": sandbox.network_isolation(),
         "collection": collection,
         "processing": {k: v for k, v in proc_stats.items() if k != "per_file"},
         "playbooks": pb_stats,
         "quarantine": {"logs": log_q.summary(), "playbooks": pb_q.summary()},
-        "routing": {**report.routing_stats(rows), "left_out": left_out},
+        "routing": {**build_report.routing_stats(rows), "left_out": left_out},
         "secrets_found_at_rest": found_at_rest,
-        "files": {str(p.relative_to(out)): report.sha256(p) for p in _files(out)},
+        "files": {str(p.relative_to(out)): build_report.sha256(p) for p in _files(out)},
     }
     manifest = scrub.scrub_tree(manifest)[0]
     atomic.write_bytes(out / "manifest.json", json.dumps(manifest, indent=2).encode())

@@ -18,8 +18,8 @@ from capibara_exp.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.estimate import calibration_note
 from capibara_exp.tuning.measure import spearman
+from capibara_exp.tuning.mesh_space import Candidate
 from capibara_exp.tuning.search import Result
-from capibara_exp.tuning.space import Candidate
 
 REPORT_MD = "mesh_report.md"
 REPORT_PNG = "mesh_report.png"

@@ -1,4 +1,5 @@
-"""T5X's `utils` config surface for the local engine (gin: `from ... import config as utils`).
+"""T5X's `utils` config surface for the local engine (gin: `from capibara_exp.runtime import
+utils`).
 
 Same names, parameters and meanings as t5x/utils.py for what the local runtime does; a
 T5X parameter it does not implement is an error naming it, never silently ignored.
