@@ -35,7 +35,7 @@ class Rule:
     valid: Callable[[Any], bool] | None = None  # a test beyond kind and range
     says: str = ""  # what `valid` allows, for the message
     # The problem with a value in words ("must be ..."), from the table that owns the rule
-    # (consensus/registry.py's parameter checks); None when the value is allowed.
+    # (merge_methods.py's parameter checks); None when the value is allowed.
     explain: Callable[[Any], str | None] | None = None
 
     def problem(self, value: Any) -> str | None:
@@ -291,7 +291,7 @@ RULES: dict[str, Rule] = {
 # capibara-exp-merge (conf/merge.yaml) and capibara-exp-data (conf/data_build.yaml).
 MERGE_RULES: dict[str, Rule] = {
     # The merge methods' own parameters (weights, num_byzantine, ...) take their rules from
-    # consensus/registry.py (merge_param_rule).
+    # merge_methods.py (merge_param_rule).
     "runs": Rule("any", valid=lambda v: all(isinstance(r, str) and _a_path(r) for r in (
         [v] if isinstance(v, str) else v if isinstance(v, list | tuple) else [None])),
         says="a run or checkpoint dir, or a list of them (no empty path)"),
@@ -342,27 +342,27 @@ RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUI
 
 
 def merge_method_rule() -> Rule:
-    """consensus.merge_method / merge's `method`: the methods consensus/registry.py lists."""
-    from capibara_exp.consensus.registry import METHODS
+    """consensus.merge_method / merge's `method`: the methods merge_methods.py lists."""
+    from capibara_exp.merge_methods import METHODS
 
     return Choice(*METHODS)
 
 
 def merge_param_rule(name: str) -> Rule | None:
     """A merge method's parameter (merge's `weights`, `num_byzantine`, ...): its check in
-    consensus/registry.py; None for a key that is not one."""
-    from capibara_exp.consensus import registry
+    merge_methods.py; None for a key that is not one."""
+    from capibara_exp import merge_methods
 
-    check = registry.param_checks().get(name)
+    check = merge_methods.param_checks().get(name)
     return Rule("any", explain=check) if check else None
 
 
 def merge_params_rule() -> Rule:
     """consensus.merge_params: a mapping of the registry's parameters to allowed values."""
-    from capibara_exp.consensus import registry
+    from capibara_exp import merge_methods
 
     def explain(params: Any) -> str | None:
-        checks = registry.param_checks()
+        checks = merge_methods.param_checks()
         if params is not None and not isinstance(params, Mapping):
             return f"must be a mapping of merge parameters or null, got {params!r}"
         for name, value in (params or {}).items():

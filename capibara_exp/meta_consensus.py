@@ -69,7 +69,7 @@ def strategies(cfg: DictConfig) -> list[Strategy]:
 
 def check(mc: DictConfig, members: list[Strategy]) -> None:
     """The gate's and the merge's settings, before anything trains (one line each)."""
-    from capibara_exp.consensus.registry import spec_from
+    from capibara_exp.merge_methods import spec_from
 
     g = mc.gate
     split, _, name = str(g.metric).partition("/")
@@ -198,7 +198,7 @@ def _merge(mc: DictConfig, out: Path, passing: list[Strategy]) -> dict:
     from capibara_exp.consensus import store, validation
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import merge
-    from capibara_exp.consensus.registry import spec_from
+    from capibara_exp.merge_methods import spec_from
 
     params = dict(OmegaConf.to_container(mc.merge.params) or {})
     if mc.merge.method in WEIGHTED:

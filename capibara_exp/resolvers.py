@@ -19,10 +19,10 @@ def user_cache_dir(name: str) -> str:
 
 
 def merge_methods() -> str:
-    """The merge methods and their parameters (capibara-exp-merge --help), from the registry."""
-    from capibara_exp.consensus import registry
+    """The merge methods and their parameters (capibara-exp-merge --help), from their table."""
+    from capibara_exp import merge_methods
 
-    return registry.help_text()
+    return merge_methods.help_text()
 
 
 def shipped_sweeps() -> str:

@@ -91,10 +91,10 @@ def test_rules_hold_their_bounds_exactly(rule, good, bad) -> None:
 
 def test_merge_parameters_are_checked_by_the_registrys_own_checks() -> None:
     """merge.yaml's method parameters and consensus.merge_params take their rules from
-    consensus/registry.py (one table): what it refuses, the schema refuses, in its words."""
-    from capibara_exp.consensus import registry
+    merge_methods.py (one table): what it refuses, the schema refuses, in its words."""
+    from capibara_exp import merge_methods
 
-    checks = registry.param_checks()
+    checks = merge_methods.param_checks()
     cases = {"weights": ([1.0, 0.0], [1.0, float("inf")]), "num_byzantine": (2, -1),
              "num_selected": (None, 0), "scale": (-0.5, float("nan")), "density": (1.0, 0.0),
              "learn_steps": (3, 0), "learn_rate": (0.1, 0.0), "per_layer": (False, "yes"),

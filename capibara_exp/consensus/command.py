@@ -42,7 +42,7 @@ def _runs(cfg: DictConfig) -> list[str]:
 
 def _spec(cfg: DictConfig):
     """The MergeSpec of conf/merge.yaml: the method and every parameter the registry has."""
-    from capibara_exp.consensus.registry import param_names, spec_from
+    from capibara_exp.merge_methods import param_names, spec_from
 
     params = {k: cfg[k] for k in param_names()}
     if params.get("weights") is not None:
@@ -55,7 +55,7 @@ def run_merge(cfg: DictConfig) -> dict:
     from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import evaluation_needs, merge
-    from capibara_exp.consensus.registry import METHODS
+    from capibara_exp.merge_methods import METHODS
 
     if cfg.method not in (*METHODS, FEDAVG):
         raise ValueError(f"method: unknown merge method {cfg.method!r} (choose from "
