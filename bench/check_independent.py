@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import calibration, profile
 from capibara_exp.tuning.estimate import CALIBRATED, LEAVE_ONE_OUT_ERROR, estimate
 

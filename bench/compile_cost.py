@@ -61,9 +61,9 @@ def child(name: str, overrides: list[str], libtpu: str | None) -> dict:
     """Build, lower and compile one candidate here; its figures."""
     from hydra import compose, initialize_config_dir
 
-    from capibara_exp import environment, topologies
+    from capibara_exp.base import environment, topologies
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.paths import CONF_DIR
     from capibara_exp.tuning import aot
     from capibara_exp.tuning import tpu_slice as topology
 

@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--programs", type=int, default=30)
     args = parser.parse_args()
-    from capibara_exp import environment
+    from capibara_exp.base import environment
 
     environment.prepare()
     results = {**measure_decoding(args), **measure_sandbox(args.programs)}

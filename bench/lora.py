@@ -47,8 +47,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.paths import CONF_DIR
 
     register_resolvers()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -103,7 +103,7 @@ def build(mode: str, experiment: str, base_dir: Path, tpu: str | None):
     shapes only for a TPU topology. Mode 'base' writes the checkpoint the LoRA modes read."""
     import jax
 
-    from capibara_exp import topologies
+    from capibara_exp.base import topologies
     from capibara_exp.runtime import checkpoints
     from capibara_exp.runtime import state as run_state
     from capibara_exp.tuning import aot, tpu_slice

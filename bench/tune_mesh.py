@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import calibration, search
 from capibara_exp.tuning.mesh_space import Candidate
 

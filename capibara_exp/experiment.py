@@ -12,11 +12,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp import environment, gin_actions, gin_bridge, phases, topologies
+from capibara_exp.base import environment, phases, topologies
+from capibara_exp.base.errors import ConfigError, RunError
+from capibara_exp.base.paths import CONF_DIR, GIN_DIR
+from capibara_exp.composing import gin_actions, gin_bridge
 from capibara_exp.data.e2b import built
-from capibara_exp.errors import ConfigError, RunError
 from capibara_exp.launch import distributed, peers, tpu_vm
-from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"

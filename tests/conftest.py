@@ -11,9 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from capibara_exp import environment
+from capibara_exp.base import environment
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli.common import register_resolvers
-from capibara_exp.paths import CONF_DIR
 
 # What the console scripts set up in their main (JAX's platforms: no TPU probe on a machine
 # without one), for the runs tests make in this process.

@@ -20,7 +20,7 @@ import sys
 import jax
 import pytest
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import aot, calibration, profile, tpu_slice
 from capibara_exp.tuning.measure import local_chip
 from tests.conftest import EXPERIMENTS, LIBTPU_PLATFORM, compose_config

@@ -12,10 +12,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from capibara_exp import experiment
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.consensus import action, federated, merge_report, methods, run, store, validation
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, run_gate
 from capibara_exp.consensus.merge import REPORT, MergeSpec, merge
-from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity
 from capibara_exp.runtime.trainer import TrainState
 from tests.conftest import compose_config
@@ -282,8 +282,8 @@ def test_fedavg_with_dp_reports_epsilon_and_learns(setup, tmp_path) -> None:
 def test_capibara_exp_merge_config_composes_and_merges(setup, tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.consensus.command import run_merge
-    from capibara_exp.paths import CONF_DIR
 
     runs = [str(c.step_dir) for c in setup["honest"][:3]]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -396,7 +396,7 @@ def compose_merge(runs: list, out: Path, overrides: list[str]):
     """conf/merge.yaml as `capibara-exp-merge` composes it."""
     from hydra import compose, initialize_config_dir
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("merge", overrides=[f"runs=[{','.join(str(r) for r in runs)}]",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from capibara_exp import run_lock
+from capibara_exp.base import run_lock
 from capibara_exp.data.e2b import build
 from tests.snapshots import snapshot
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capibara_exp import gin_bridge
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
 from capibara_exp.data import routing
 from capibara_exp.data.e2b import build, collector, playbooks, processing, sandbox, snippets
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import ExecutionRecord, parse_records, write_records
-from capibara_exp.paths import GIN_DIR
 from tests.conftest import compose_config
 
 # Real JavaScript for the javascript domain: node runs it in the sandbox like any snippet.

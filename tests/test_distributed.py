@@ -82,7 +82,7 @@ def test_two_processes_of_four_devices_train_as_one_of_eight(tmp_path, data_dir)
 def test_distributed_settings_errors_name_the_keys(tmp_path):
     from omegaconf import OmegaConf
 
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.launch import distributed
 
     def settings(**kw):

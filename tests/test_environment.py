@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from capibara_exp import phases
+from capibara_exp.base import phases
 
 
 def test_importing_capibara_exp_changes_no_environment() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import calibration, estimate, plan_report
 
 

@@ -14,11 +14,11 @@ import optax
 import pytest
 import seqio
 
-from capibara_exp import gin_bridge
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
 from capibara_exp.cli import plot as plot_cli
-from capibara_exp.errors import ConfigError
+from capibara_exp.composing import gin_bridge
 from capibara_exp.nets import Decoder, DecoderConfig
-from capibara_exp.paths import GIN_DIR
 from capibara_exp.runtime import checkpoints, models, optimizers, partitioning, utils
 from capibara_exp.runtime.state import initial_state
 from capibara_exp.runtime.train_script import TrainingDiverged

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gin
-from capibara_exp import gin_bridge
-from capibara_exp.errors import ConfigError
-from capibara_exp.gin_bridge import GinReference, to_gin_literal
-from capibara_exp.paths import GIN_DIR
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
+from capibara_exp.composing.gin_bridge import GinReference, to_gin_literal
 from capibara_exp.runtime import gin_utils
 from tests.conftest import EXPERIMENTS, compose_config
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from capibara_exp import topologies
-from capibara_exp.topologies import GIB
+from capibara_exp.base import topologies
+from capibara_exp.base.topologies import GIB
 from capibara_exp.tuning import aot
 from tests.conftest import needs_libtpu
 

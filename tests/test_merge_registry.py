@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from capibara_exp import merge_methods
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.composing import merge_methods
+from capibara_exp.composing.merge_methods import METHODS, MergeSpec
 from capibara_exp.consensus import action
-from capibara_exp.merge_methods import METHODS, MergeSpec
-from capibara_exp.paths import CONF_DIR
 
 
 def test_conf_merge_yaml_has_every_parameter_with_the_registrys_default() -> None:

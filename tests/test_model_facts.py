@@ -12,9 +12,10 @@ import pytest
 from flax import traverse_util
 from omegaconf import OmegaConf
 
-from capibara_exp import config_schema, model_facts
+from capibara_exp.base import model_facts
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.composing import config_schema
 from capibara_exp.convert.network import network
-from capibara_exp.paths import CONF_DIR
 from tests.conftest import compose_config
 
 ENTRIES = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

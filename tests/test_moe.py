@@ -14,11 +14,12 @@ import optax
 import pytest
 import seqio
 
-from capibara_exp import experiment, gin_bridge
-from capibara_exp.errors import ConfigError
+from capibara_exp import experiment
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
 from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
 from capibara_exp.nets.moe import route, routing_metrics
-from capibara_exp.paths import GIN_DIR
 from capibara_exp.runtime import contrib_moe, gin_utils, metrics, optimizers
 from tests.conftest import compose_config
 from tests.test_data_routing import built, log_file  # noqa: F401  (the small routing build)
@@ -381,7 +382,7 @@ def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
     # The experiment's own data (a small build of the routing mixture), debug=fast, EMA
     # (the MoE trainer takes the local engine's features like the dense one) and router
     # supervision from the domain labels; then the plot command draws the expert panels.
-    from capibara_exp import run_curves
+    from capibara_exp.cli import run_curves
 
     monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
     cfg = compose_config([f"model_dir={tmp_path}", *TINY, "ema=default",

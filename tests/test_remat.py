@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 
 NAMED = re.compile(r"named '(\w+)'")
 
@@ -110,9 +110,9 @@ def test_bad_per_tensor_lists_are_errors_naming_the_field(kw, message):
      "model.remat_offload"),
 ])
 def test_per_tensor_lists_are_checked_when_composed(overrides, key):
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.cli import checks, flags
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.errors import ConfigError
 
     register_resolvers()
     with pytest.raises(ConfigError, match=re.escape(key)):

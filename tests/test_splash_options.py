@@ -20,7 +20,7 @@ def test_smaller_blocks_and_the_fused_backward_match_dot_attention(fused):
 
 
 def test_block_sizes_are_checked_where_they_are_set():
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.nets import DecoderConfig
     from capibara_exp.tuning import plan
     from tests.conftest import compose_config

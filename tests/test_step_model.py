@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capibara_exp import meshes, topologies
+from capibara_exp.base import meshes, topologies
 from capibara_exp.tuning import calibration, costs, estimate, hlo, profile, tpu_slice
 from tests.conftest import needs_libtpu
 
@@ -190,7 +190,7 @@ def test_tpu_einsums_collectives_and_their_torus_axes():
 def test_splash_kernels_are_counted_from_their_shapes_and_blocks():
     from flax.linen import partitioning as nn_partitioning
 
-    from capibara_exp import logical_axes
+    from capibara_exp.base import logical_axes
     from capibara_exp.nets import splash
 
     devices = tpu_devices("v5e-4")

@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli.common import register_resolvers
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import CONF_DIR
 from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import search_space, study
 
@@ -744,7 +744,7 @@ def test_a_preempted_trial_is_retried_not_failed(tmp_path: Path) -> None:
     the worker with 75 after its trial is failed as preempted and retried; the next run
     runs the retry first, and the preemption counts neither toward n_trials nor as a
     failure."""
-    from capibara_exp.errors import PREEMPTED_EXIT_CODE, Preempted
+    from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, Preempted
 
     def preempted_once(overrides, number):
         if number == 1:

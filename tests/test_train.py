@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from capibara_exp import experiment
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.runtime import actions, checkpoints, gin_utils, resume
 from capibara_exp.runtime.metrics import Progress
 from capibara_exp.runtime.resume import NoVerifiedCheckpoint

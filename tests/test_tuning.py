@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import mesh_space, search, tpu_slice
 from tests.conftest import needs_libtpu
 
@@ -54,7 +54,7 @@ def test_candidates_divide_the_chips_heads_experts_and_batch():
 
 
 def test_attention_is_searched_where_the_model_can_take_splash():
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.tuning import plan
     from tests.conftest import compose_config
 
@@ -142,7 +142,7 @@ def test_a_stopped_planners_running_trial_is_failed_and_the_search_goes_on(tmp_p
     from omegaconf import OmegaConf
     from optuna.trial import TrialState
 
-    from capibara_exp import optuna_study
+    from capibara_exp.base import optuna_study
     from capibara_exp.tuning import evaluator as evaluate_module
     from capibara_exp.tuning import plan
 

@@ -15,10 +15,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from capibara_exp import environment, phases
+from capibara_exp.base import environment, phases
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli.common import checked_argv, user_errors
 from capibara_exp.cli.shell import job
-from capibara_exp.paths import CONF_DIR
 
 Check = Callable[[DictConfig], None]
 

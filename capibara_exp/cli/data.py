@@ -15,17 +15,17 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import run_lock
+from capibara_exp.base import run_lock
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.cli import app, guards
 from capibara_exp.cli.common import user_errors
 from capibara_exp.cli.shell import console
-from capibara_exp.errors import ConfigError
 
 PROG = "capibara-exp-data"
 
 
 def _build(cfg: DictConfig) -> None:
-    from capibara_exp import phases
+    from capibara_exp.base import phases
 
     with phases.importing("the data build (the E2B SDK)"):
         from capibara_exp.data.e2b import build

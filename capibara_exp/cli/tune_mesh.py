@@ -8,10 +8,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.cli import app
 from capibara_exp.cli.common import user_errors
 from capibara_exp.cli.shell import console
-from capibara_exp.errors import ConfigError
 
 PROG = "capibara-exp-tune-mesh"
 

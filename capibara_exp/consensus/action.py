@@ -77,11 +77,11 @@ class ConsensusMerge(ChecksumCheckpoints):
                  min_pass_fraction: float = 0.5, max_val_loss: float | None = None,
                  max_val_loss_ratio: float | None = 1.5, require_manifest: bool = True,
                  use_ema: bool = True):
-        """`merge_params`: the method's parameters by name (merge_methods.py's MergeSpec,
+        """`merge_params`: the method's parameters by name (composing/merge_methods.py's MergeSpec,
         e.g. {'num_byzantine': 1}); an unknown name or a bad value is an error here, before
         training starts."""
+        from capibara_exp.composing.merge_methods import spec_from
         from capibara_exp.consensus.gate import GateConfig
-        from capibara_exp.merge_methods import spec_from
 
         super().__init__(model_dir)
         if isinstance(last_k, bool) or not isinstance(last_k, int) or last_k < 1:

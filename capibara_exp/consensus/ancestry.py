@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from capibara_exp.composing.merge_methods import METHODS, MergeSpec
 from capibara_exp.consensus.gate import ConsensusError, GateConfig
 from capibara_exp.consensus.store import Candidate
-from capibara_exp.merge_methods import METHODS, MergeSpec
 from capibara_exp.runtime import lineage
 
 ADVICE = ("a soup averages fine-tunes of one model; for replicas that may be anything use a "

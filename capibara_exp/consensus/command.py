@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 FEDAVG = "fedavg"
 
@@ -42,7 +42,7 @@ def _runs(cfg: DictConfig) -> list[str]:
 
 def _spec(cfg: DictConfig):
     """The MergeSpec of conf/merge.yaml: the method and every parameter the registry has."""
-    from capibara_exp.merge_methods import param_names, spec_from
+    from capibara_exp.composing.merge_methods import param_names, spec_from
 
     params = {k: cfg[k] for k in param_names()}
     if params.get("weights") is not None:
@@ -52,10 +52,10 @@ def _spec(cfg: DictConfig):
 
 def run_merge(cfg: DictConfig) -> dict:
     """Merge the configured checkpoints into cfg.out (or run FedAvg); returns the report."""
+    from capibara_exp.composing.merge_methods import METHODS
     from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import evaluation_needs, merge
-    from capibara_exp.merge_methods import METHODS
 
     if cfg.method not in (*METHODS, FEDAVG):
         raise ValueError(f"method: unknown merge method {cfg.method!r} (choose from "

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from capibara_exp.base.errors import ConfigError, environment_failure
 from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
-from capibara_exp.errors import ConfigError, environment_failure
 from capibara_exp.runtime import integrity
 
 TARGET: LeafPath = ("target",)

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from capibara_exp.composing.merge_methods import MergeSpec
 from capibara_exp.consensus import ancestry, merge_report, methods
 from capibara_exp.consensus import gate as gating
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, GateResult, Observer
 from capibara_exp.consensus.registry import METHODS, Solve
 from capibara_exp.consensus.store import Candidate, LeafReader, leaf_index, unflatten, write
-from capibara_exp.merge_methods import MergeSpec
 
 REPORT = "merge_report.json"
 PLOT = "merge_metrics.png"

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from capibara_exp import merge_methods
+from capibara_exp.composing import merge_methods
+from capibara_exp.composing.merge_methods import MergeSpec
 from capibara_exp.consensus.base_merges import slerp_leaf, solve_pool, with_base
-from capibara_exp.merge_methods import MergeSpec
 
 # ---- solvers: weights over the accepted candidates (or the method's own solution) ---------
 

@@ -16,7 +16,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from capibara_exp import atomic
+from capibara_exp.base import atomic
 
 CORPUS_NAME = "bytes_lm"
 VALIDATION_PERCENT = 5
@@ -85,7 +85,7 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
         return json.loads(manifest_path.read_text())
-    from capibara_exp import phases
+    from capibara_exp.base import phases
 
     with phases.phase(f"building the text corpus under {out_dir} (first use only)") as shown:
         sources = stdlib_sources()

@@ -154,7 +154,7 @@ def _shipped_mixtures() -> dict[str, dict]:
     """name -> rates of every data config in conf/data/ whose task module is this one."""
     import yaml
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     out = {}
     for path in sorted((CONF_DIR / "data").glob("*.yaml")):

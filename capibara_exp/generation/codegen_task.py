@@ -18,9 +18,9 @@ from pathlib import Path
 import seqio
 import tensorflow as tf
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data.e2b import built
 from capibara_exp.data.tasks import VOCABULARY, data_dir
-from capibara_exp.errors import ConfigError
 from capibara_exp.generation import scoring
 
 TASK = "capibara_e2b_codegen"

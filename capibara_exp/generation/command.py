@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capibara_exp import atomic
-from capibara_exp.errors import ConfigError, Preempted
+from capibara_exp.base import atomic
+from capibara_exp.base.errors import ConfigError, Preempted
 from capibara_exp.generation import decoding, loading, prompts
 
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(decoding.Sampling))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 JSONL_KEYS = ("prompt", "inputs", "text")  # the first one a JSONL line has is its prompt
 

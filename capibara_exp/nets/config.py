@@ -9,7 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 from capibara_exp.nets.positions import rope_frequencies
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -23,7 +23,7 @@ import jax
 from flax import linen as nn
 from jax import ad_checkpoint
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 
 checkpoint_name = ad_checkpoint.checkpoint_name
 

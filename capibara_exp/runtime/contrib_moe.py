@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from capibara_exp import meshes
+from capibara_exp.base import meshes
 from capibara_exp.data import packing
 from capibara_exp.runtime import partitioning
 from capibara_exp.runtime.models import Batch, DecoderOnlyModel

@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-from capibara_exp import phases
-from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
+from capibara_exp.base import phases
+from capibara_exp.base.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
 from capibara_exp.runtime import checkpoints, infer_eval, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 
 
 class UnsupportedParameter(ValueError):

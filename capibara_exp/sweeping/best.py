@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from capibara_exp import atomic
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import atomic
+from capibara_exp.base.errors import ConfigError
 
 SWEEPS_GROUP = "sweeps"  # sweeps/*.yaml: hydra.sweeper settings only (sweeps/README.md)
 EXPERIMENT = "experiment"

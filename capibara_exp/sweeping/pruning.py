@@ -8,7 +8,7 @@ from typing import Any
 
 import optuna
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
 from capibara_exp.runtime.trainer import BaseAction
 from capibara_exp.sweeping import retry
 from capibara_exp.sweeping.settings import PRUNED_AT, PRUNER_KEY, PRUNER_OPTIONS

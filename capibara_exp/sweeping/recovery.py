@@ -30,7 +30,7 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from capibara_exp import atomic, optuna_study, run_lock
+from capibara_exp.base import atomic, optuna_study, run_lock
 from capibara_exp.sweeping.results import NOT_RUN, RETRIED
 from capibara_exp.sweeping.retry import Outage
 from capibara_exp.sweeping.settings import PRUNED_AT, PRUNER_OPTIONS, RUN_DIR

@@ -12,8 +12,8 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from capibara_exp import atomic
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import atomic
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping.settings import SweepSettings
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 SAMPLER_KEY, PRUNER_KEY = "hydra.sweeper.sampler", "hydra.sweeper.pruner"  # named in errors
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capibara_exp import optuna_study
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.sweeping import retry
 from capibara_exp.sweeping.retry import Outage, RetryingStorage
 from capibara_exp.sweeping.settings import SweepSettings

@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from capibara_exp import atomic
+from capibara_exp.base import atomic
 
 
 def write_plots(study: optuna.Study, sweep_dir: Path) -> dict[str, str]:

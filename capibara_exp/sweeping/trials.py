@@ -14,8 +14,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
-from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, ConfigError
 from capibara_exp.sweeping import recovery
 from capibara_exp.sweeping import search_space as space_lib
 from capibara_exp.sweeping.recovery import ERROR

@@ -17,10 +17,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from capibara_exp import gin_bridge
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import GIN_DIR
-from capibara_exp.topologies import Chip
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.base.topologies import Chip
+from capibara_exp.composing import gin_bridge
 from capibara_exp.tuning import profile
 from capibara_exp.tuning.estimate import CALIBRATED, calibration_note, estimate
 

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from capibara_exp import model_facts
-from capibara_exp.paths import CONF_DIR
-from capibara_exp.topologies import Chip
+from capibara_exp.base import model_facts
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning import profile, tpu_slice
 from capibara_exp.tuning.estimate import FITTED, StepModel, estimate
 from capibara_exp.tuning.profile import StepProfile
@@ -137,7 +137,7 @@ def compose(experiment: str, overrides: Sequence[str] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from capibara_exp.resolvers import register_resolvers
+    from capibara_exp.composing.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -192,7 +192,7 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
     import jax
     from omegaconf import OmegaConf
 
-    from capibara_exp import topologies
+    from capibara_exp.base import topologies
     from capibara_exp.tuning import aot
 
     cfg = compose(experiment)

@@ -11,7 +11,7 @@ backward pass can be counted from the shapes alone:
   one microbatch's share of a chip: `full` keeps each layer's input [B, L, D]; `dots` also
   the q/k/v projections [B, L, H, K] x 3; `none` also, with dot attention, the
   probabilities [B, H, L, L]; the layer input is split over 'model' too when the
-  candidate's activation sharding is `tensor` or `sequence` (logical_axes.py);
+  candidate's activation sharding is `tensor` or `sequence` (base/logical_axes.py);
 - at the update, the gradients: one per parameter, split alike.
 
 The bound is the state plus the larger of the last two. Everything else (temporaries,
@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 from capibara_exp.tuning.mesh_space import Candidate
 
 

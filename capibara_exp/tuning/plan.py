@@ -17,9 +17,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import model_facts, topologies
-from capibara_exp.errors import ConfigError
-from capibara_exp.topologies import Chip
+from capibara_exp.base import model_facts, topologies
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning import aot, mesh_space, plan_report, profile, search, tpu_slice
 from capibara_exp.tuning.evaluator import Evaluator
 
@@ -192,7 +192,7 @@ def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir
         return results, replay
     from optuna.trial import TrialState
 
-    from capibara_exp import optuna_study
+    from capibara_exp.base import optuna_study
 
     opened = optuna_study.create_or_load(
         optuna_study.open_storage(f"sqlite:///{out_dir / STUDY_DB}"),

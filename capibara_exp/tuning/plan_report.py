@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import model_facts
-from capibara_exp.paths import CONF_DIR
-from capibara_exp.topologies import Chip
+from capibara_exp.base import model_facts
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.estimate import calibration_note
 from capibara_exp.tuning.measure import spearman

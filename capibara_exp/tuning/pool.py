@@ -40,7 +40,7 @@ _DEVICES: list[Any] = []  # the worker's topology devices, described once
 
 
 def _init(topology_name: str) -> None:
-    from capibara_exp import environment, topologies
+    from capibara_exp.base import environment, topologies
     from capibara_exp.tuning import tpu_slice as topology
 
     environment.import_tensorflow()  # the candidates' gin imports seqio: without its notices

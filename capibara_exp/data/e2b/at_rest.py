@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from capibara_exp import atomic
+from capibara_exp.base import atomic
 from capibara_exp.data.e2b import scrub
 
 # The header and sections routing.render_execution writes: the code is read as code.

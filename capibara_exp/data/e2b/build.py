@@ -6,7 +6,7 @@ examples (domain, difficulty, split). The manifest records counts per input file
 sha256 of every file the build wrote, the filters, the quarantine counts, the scrubbing
 figures and the fingerprint of the build config: a run whose data are already built for
 the same config reuses them, so the first run that needs the data builds them and the
-others wait. A build holds `<data_dir>/e2b_routing/.capibara.lock` (capibara_exp.run_lock):
+others wait. A build holds `<data_dir>/e2b_routing/.capibara.lock` (capibara_exp.base.run_lock):
 a second `capibara-exp-data` on the same data dir is refused with the holder's pid and host.
 """
 
@@ -22,7 +22,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from capibara_exp import atomic, run_lock
+from capibara_exp.base import atomic, run_lock
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data import routing
 from capibara_exp.data.e2b import (
     at_rest,
@@ -39,7 +40,6 @@ from capibara_exp.data.e2b.built import DATASET, dataset_dir
 from capibara_exp.data.e2b.heldout import generated
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import parse_records
-from capibara_exp.errors import ConfigError
 
 SOURCES = ("e2b_logs", "ace_playbooks")
 _KEYS = (
@@ -62,7 +62,7 @@ def default_config() -> dict:
     """The build settings shipped in conf/data_build.yaml (without data_dir and force)."""
     import yaml
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     cfg = yaml.safe_load((CONF_DIR / "data_build.yaml").read_text())
     return {k: cfg[k] for k in _KEYS}

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 DATASET = "e2b_routing"
 MANIFEST = "manifest.json"  # written last: data without it are not built (or half built)

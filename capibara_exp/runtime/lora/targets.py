@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from flax import traverse_util
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 LAYERS_AXIS = "layers"  # nn.scan's stacking axis (nets.Decoder with scan_layers)
 EXPERT_AXIS = "expert"

@@ -9,7 +9,7 @@ import textwrap
 
 from omegaconf import OmegaConf
 
-from capibara_exp.paths import SWEEPS_ROOT
+from capibara_exp.base.paths import SWEEPS_ROOT
 
 
 def user_cache_dir(name: str) -> str:
@@ -20,7 +20,7 @@ def user_cache_dir(name: str) -> str:
 
 def merge_methods() -> str:
     """The merge methods and their parameters (capibara-exp-merge --help), from their table."""
-    from capibara_exp import merge_methods
+    from capibara_exp.composing import merge_methods
 
     return merge_methods.help_text()
 
@@ -34,7 +34,7 @@ def sweeper_keys() -> str:
     """The capibara_optuna sweeper's settings, from its YAML file."""
     import yaml
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     data = yaml.safe_load((CONF_DIR / "hydra" / "sweeper" / "capibara_optuna.yaml").read_text())
     keys = [k for k in data if not k.startswith("_")]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from capibara_exp import config_schema, model_facts
+from capibara_exp.base import model_facts
+from capibara_exp.composing import config_schema
 
 
 def show(value: Any) -> str:
