@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "capibara_exp"
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "tensorflow", "seqio", "t5x", "qwix")
 
-# Every module of the package but generation/stopping.py (and the packages above it, whose
+# Every module of the package but runtime/stopping.py (and the packages above it, whose
 # __init__ files import nothing).
 _ALL_BUT_STOPS = tuple(sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts[:-1] if p.name == "__init__.py"
              else p.relative_to(ROOT).with_suffix("").parts)
     for p in PACKAGE.rglob("*.py")
-    if p.relative_to(PACKAGE).as_posix() not in ("__init__.py", "generation/__init__.py",
-                                                 "generation/stopping.py")))
+    if p.relative_to(PACKAGE).as_posix() not in ("__init__.py", "runtime/__init__.py",
+                                                 "runtime/stopping.py")))
 
 # The floors above the ground (base/): what base/ never imports; compose time (composing/)
 # sits on base/ and never imports the rest either.
@@ -58,8 +58,10 @@ NEVER: list[tuple[str | tuple[str, ...], tuple[str, ...], str]] = [
      "the offline E2B pipeline runs without the training stack"),
     ("capibara_exp.runtime", ("capibara_exp.cli", "capibara_exp.experiment",
                               "capibara_exp.sweeping", "capibara_exp.tuning",
-                              "capibara_exp.consensus", "capibara_exp.launch", "hydra"),
-     "the local engine is T5X's train contract: gin in, checkpoints out; callers sit above"),
+                              "capibara_exp.consensus", "capibara_exp.launch",
+                              "capibara_exp.generation", "hydra"),
+     "the local engine is T5X's train contract: gin in, checkpoints out (decoding too: its "
+     "inference eval); callers sit above"),
     ("capibara_exp.tuning", ("capibara_exp.sweeping", "capibara_exp.cli",
                              "capibara_exp.consensus", "capibara_exp.experiment",
                              "capibara_exp.convert"),
@@ -79,15 +81,12 @@ NEVER: list[tuple[str | tuple[str, ...], tuple[str, ...], str]] = [
                                  "capibara_exp.tuning", "capibara_exp.consensus",
                                  "capibara_exp.launch", "capibara_exp.experiment", "hydra"),
      "decoding and scoring: checkpoints and prompts in, tokens and scores out; callers above"),
-    ("capibara_exp.generation.decoding", _ALL_BUT_STOPS,
+    ("capibara_exp.runtime.decoding", _ALL_BUT_STOPS,
      "T5X's decoding around any network: the runtime's inference eval imports it, so it "
-     "imports nothing of the project but its stops (generation/stopping.py, a leaf)"),
-    ("capibara_exp.generation.stopping", ("capibara_exp",),
+     "imports nothing of the project but its stops (runtime/stopping.py, a leaf)"),
+    ("capibara_exp.runtime.stopping", ("capibara_exp",),
      "a leaf: where a decoded row ends, for T5X's decoding loop"),
     ("capibara_exp.generation.execution", HEAVY, "programs run without the training stack"),
-    ("capibara_exp.runtime", ("capibara_exp.generation.loading", "capibara_exp.generation.command",
-                              "capibara_exp.generation.prompts"),
-     "the runtime uses generation's decoding only (generation loads checkpoints via runtime)"),
     ("capibara_exp", ("tests", "bench"), "the package never imports its tests or benchmarks"),
 ]
 # Only the console scripts (and the sweeper's Hydra plugin, which is one) import cli/.

@@ -16,7 +16,8 @@ from typing import Any
 
 from capibara_exp.base import atomic
 from capibara_exp.base.errors import ConfigError, Preempted
-from capibara_exp.generation import decoding, loading, prompts
+from capibara_exp.generation import loading, prompts
+from capibara_exp.runtime import decoding
 
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(decoding.Sampling))
 
