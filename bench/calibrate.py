@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import calibration
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import calibration, profile
 from capibara_exp.tuning.estimate import CALIBRATED, LEAVE_ONE_OUT_ERROR, estimate
 
@@ -28,7 +28,7 @@ NAMES = [p.experiment for p in calibration.INDEPENDENT]
 
 
 def compile_one(name: str, where: Path) -> None:
-    code = ("import sys; from pathlib import Path; from capibara_exp import environment; "
+    code = ("import sys; from pathlib import Path; from capibara_exp.base import environment; "
             "environment.select_platform(); environment.import_tensorflow(); "
             "from capibara_exp.tuning import calibration; "
             "r = calibration.compile_point(sys.argv[1], Path(sys.argv[2])); "

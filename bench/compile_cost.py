@@ -67,7 +67,7 @@ VARIANTS: dict[str, dict] = {
 def _early(cfg, full_fields: dict) -> dict:
     """The early-stop compile of the same candidate (its own child process), against the
     full compile's profile fields."""
-    from capibara_exp import topologies
+    from capibara_exp.base import topologies
     from capibara_exp.tuning import early
 
     got = early.compile_step(cfg, cfg.topology, topologies.get(cfg.topology).chip)
@@ -82,10 +82,11 @@ def child(name: str, overrides: list[str], libtpu: str | None, early: bool = Fal
     """Build, lower and compile one candidate here; its figures."""
     from hydra import compose, initialize_config_dir
 
-    from capibara_exp import environment, topologies
+    from capibara_exp.base import environment, topologies
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.paths import CONF_DIR
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.tuning import aot
+    from capibara_exp.tuning import tpu_slice as topology
 
     environment.select_platform()
     environment.import_tensorflow()

@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default="/tmp/capibara-bench-data")
     args = parser.parse_args()
     os.environ.setdefault("CAPIBARA_DATA_DIR", args.data_dir)
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(
         mixture_or_task_name=args.task,

@@ -1,6 +1,6 @@
 """Decoding and execution scoring against bare baselines, measured in one run.
 
-prefill: T5X's cache prefill (generation/decoding.py's path: the cache made, the prompt in
+prefill: T5X's cache prefill (runtime/decoding.py's path: the cache made, the prompt in
 one `prefill=True` call over the decoder's whole length, as T5X lays it out) against a bare
 jitted forward over the prompt tokens alone, and over the same padded length.
 decode: the whole greedy generation program (T5X's DecoderOnlyModel.predict_batch_with_aux
@@ -108,7 +108,7 @@ def measure_decoding(args) -> dict:
     import numpy as np
     import seqio
 
-    from capibara_exp.generation import decoding
+    from capibara_exp.runtime import decoding
 
     length = args.prompt + 1 + args.new
     keys, net, params = network(args.entry, args.batch, length)
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--programs", type=int, default=30)
     args = parser.parse_args()
-    from capibara_exp import environment
+    from capibara_exp.base import environment
 
     environment.prepare()
     results = {**measure_decoding(args), **measure_sandbox(args.programs)}

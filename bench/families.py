@@ -36,7 +36,7 @@ def model_and_batch(overrides: list[str], model_dir: Path):
 
 def matching_mlp(t5_keys: dict, llama_keys: dict) -> int:
     """The Llama-style MLP width (a multiple of 8) whose parameter count is nearest the T5's."""
-    from capibara_exp import model_facts
+    from capibara_exp.base import model_facts
 
     want = model_facts.counts(model_facts.sizes(t5_keys)).total
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 
-    from capibara_exp import model_facts
+    from capibara_exp.base import model_facts
     from capibara_exp.runtime.metrics import matmul_peak_flops
 
     heads = args.width // 64

@@ -47,8 +47,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.paths import CONF_DIR
 
     register_resolvers()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -103,16 +103,16 @@ def build(mode: str, experiment: str, base_dir: Path, tpu: str | None):
     shapes only for a TPU topology. Mode 'base' writes the checkpoint the LoRA modes read."""
     import jax
 
-    from capibara_exp import topologies
+    from capibara_exp.base import topologies
     from capibara_exp.runtime import checkpoints
     from capibara_exp.runtime import state as run_state
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.tuning import aot, tpu_slice
 
     extra = {"lora": LORA, "qlora": QLORA}.get(mode, [])
     overrides = [f"experiment={experiment}", *extra, *(TPU_OVERRIDES if tpu else [])]
     if extra:
         overrides.append(f"lora.base_checkpoint={base_dir}")
-    devices = topology.devices(topologies.get(tpu)) if tpu else jax.devices()
+    devices = tpu_slice.devices(topologies.get(tpu)) if tpu else jax.devices()
     bindings = aot.train_bindings(aot.render_local_gin(compose(overrides)), devices)
     model, data_cfg = bindings["model"], bindings["train_dataset_cfg"]
     length = max(data_cfg.task_feature_lengths.values())

@@ -199,8 +199,8 @@ def krum(rng: np.random.Generator) -> None:
 
 
 def task_vector_methods(n: int, mb: int, reps: int, rng: np.random.Generator) -> None:
+    from capibara_exp.composing.merge_methods import MergeSpec
     from capibara_exp.consensus import base_merges, interpolate
-    from capibara_exp.consensus.registry import MergeSpec
 
     side = mb * (1 << 20) // 4 // 1024
     base = rng.standard_normal((side, 1024), dtype=np.float32)

@@ -38,7 +38,7 @@ def build(kind: str, devices: int):
     import seqio
 
     from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
-    from capibara_exp.runtime import models, moe, optimizers, partitioning
+    from capibara_exp.runtime import contrib_moe, models, optimizers, partitioning
     from capibara_exp.runtime.trainer import Trainer
 
     cfg = DecoderConfig(vocab_size=260, emb_dim=128, num_heads=4, head_dim=32, num_layers=4,
@@ -49,8 +49,9 @@ def build(kind: str, devices: int):
             Trainer, {}
     net = MoeDecoder(cfg, MoeConfig(num_experts=4, num_selected_experts=1, capacity_factor=1.25))
     expert_parts = 4 if devices >= 4 else 1
-    return (moe.MoeDecoderOnlyModel(net, vocab, opt, aux_loss_factor=0.01),
-            moe.MoePjitPartitioner(num_expert_partitions=expert_parts), moe.MoeTrainer,
+    return (contrib_moe.MoeDecoderOnlyModel(net, vocab, opt, aux_loss_factor=0.01),
+            contrib_moe.MoePjitPartitioner(num_expert_partitions=expert_parts),
+            contrib_moe.MoeTrainer,
             {"num_expert_partitions": expert_parts})
 
 

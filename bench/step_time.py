@@ -28,8 +28,8 @@ def compose(overrides: list[str], model_dir: Path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.paths import CONF_DIR
 
     register_resolvers()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):

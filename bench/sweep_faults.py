@@ -17,7 +17,7 @@ from pathlib import Path
 
 import optuna
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
 from tests.test_sweeper_faults import lines, start_workers, wait_for
 from tests.test_sweeper_workers import PostgresServer, serve_postgres
 

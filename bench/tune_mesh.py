@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from capibara_exp import topologies
+from capibara_exp.base import topologies
 from capibara_exp.tuning import calibration, search
-from capibara_exp.tuning.space import Candidate
+from capibara_exp.tuning.mesh_space import Candidate
 
 TUNE = [sys.executable, "-m", "capibara_exp.cli.tune_mesh"]
 COMPILE_GOAL_S = 90.0

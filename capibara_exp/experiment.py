@@ -12,14 +12,19 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp import environment, gin_actions, gin_bridge, phases, topologies
-from capibara_exp.errors import ConfigError, RunError
+from capibara_exp.base import environment, phases, topologies
+from capibara_exp.base.errors import ConfigError, RunError
+from capibara_exp.base.paths import CONF_DIR, GIN_DIR
+from capibara_exp.composing import gin_actions, gin_bridge
+from capibara_exp.data.e2b import built
 from capibara_exp.launch import distributed, peers, tpu_vm
-from capibara_exp.paths import CONF_DIR, GIN_DIR
 
 CONFIG_GIN = "config.gin"
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
 ROUTING_TASKS = "capibara_exp.data.routing_tasks"
+# The task modules that read the built E2B data (data/e2b/built.py).
+E2B_TASK_MODULES = (ROUTING_TASKS, "capibara_exp.data.routing_difficulty",
+                    "capibara_exp.generation.codegen_task")
 
 
 def config_sources(choices: dict[str, str | None]) -> dict[str, str]:
@@ -73,10 +78,21 @@ def gin_engine(cfg: DictConfig) -> str:
     return cfg.engine.runtime if cfg.engine.name == "tpu_vm" else cfg.engine.name
 
 
+def reads_e2b_data(cfg: DictConfig) -> bool:
+    """Whether a task the run reads (its data, a curriculum stage, the inference eval
+    without its own logs) reads the built E2B data."""
+    stages = (cfg.get("curriculum") or {}).get("curriculum_stages") or []
+    modules = {cfg.data.get("mixture_or_task_module"), *(s.get("module") for s in stages)}
+    if not os.environ.get(built.CODEGEN_LOGS_ENV):
+        modules.add((cfg.get("infer_eval") or {}).get("infer_eval_module"))
+    return bool(modules & set(E2B_TASK_MODULES))
+
+
 def prepare_data(cfg: DictConfig) -> None:
-    """Build the routing data a run needs before JAX starts: its builder executes code in
-    subprocesses, and forking a process that runs JAX is unsafe (and JAX warns each time)."""
-    if cfg.data.get("mixture_or_task_module") == ROUTING_TASKS:
+    """Build the E2B data a run reads before JAX starts (the build's one trigger besides
+    capibara-exp-data; tasks only read them): its builder executes code in subprocesses,
+    and forking a process that runs JAX is unsafe (and JAX warns each time)."""
+    if reads_e2b_data(cfg):
         from capibara_exp.data.e2b import build
 
         data_dir = os.environ.get(DATA_DIR_ENV) or cfg.data_dir

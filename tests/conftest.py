@@ -11,9 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from capibara_exp import environment
+from capibara_exp.base import environment
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli.common import register_resolvers
-from capibara_exp.paths import CONF_DIR
 
 # What the console scripts set up in their main (JAX's platforms: no TPU probe on a machine
 # without one), for the runs tests make in this process.
@@ -43,13 +43,24 @@ def _session_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One data dir for the whole session; tasks build their files there on first read.
-    pytest-xdist's workers share it (the corpus is written atomically and the routing build
-    holds a lock, so one worker builds while the others wait)."""
+    """One data dir for the whole session; the corpus task builds its files there on first
+    read, the E2B data are built by `e2b_data`. pytest-xdist's workers share it (the corpus
+    is written atomically and the routing build holds a lock, so one worker builds while
+    the others wait)."""
     path = Path(os.environ.get("CAPIBARA_TEST_DATA_DIR") or _session_dir(tmp_path_factory, "data"))
     path.mkdir(parents=True, exist_ok=True)
     os.environ["CAPIBARA_DATA_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def e2b_data(data_dir: Path) -> Path:
+    """The E2B routing data built (shipped settings) in the session's data dir, as
+    `capibara-exp-data` or a run's data preparation builds them: the tasks only read."""
+    from capibara_exp.data.e2b import build
+
+    build.ensure_built(data_dir)
+    return data_dir
 
 
 @pytest.fixture(scope="session", autouse=True)

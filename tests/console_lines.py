@@ -1,6 +1,6 @@
 """What a console script prints that is progress, not an answer: its first line (once its
 command line checks, before the heavy imports) and phase lines (`what ...`, `what ... 15 s`,
-`what: 12.3 s`; capibara_exp/phases.py). A refusal found after the
+`what: 12.3 s`; capibara_exp/base/phases.py). A refusal found after the
 first line is one line of its own after them; the tests count the lines that are not
 progress."""
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from capibara_exp import config_schema
+from capibara_exp.composing import config_schema
 from tests.console_lines import error_lines
 from tests.snapshots import snapshot
 
@@ -51,11 +51,12 @@ SCRIPTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "capibara-exp-data": ("capibara_exp.cli.data", [("capibara_exp.cli.data", "_app")]),
     "capibara-exp-tune-mesh": ("capibara_exp.cli.tune_mesh",
                                [("capibara_exp.cli.tune_mesh", "_app")]),
-    "capibara-exp-plot": ("capibara_exp.cli.plot", [("capibara_exp.plots", "render")]),
+    "capibara-exp-plot": ("capibara_exp.cli.plot", [("capibara_exp.cli.run_curves", "render")]),
     "capibara-exp-convert": ("capibara_exp.cli.convert", [("capibara_exp.cli.convert", "run")]),
     "capibara-exp-lora": ("capibara_exp.cli.lora",
                           [("capibara_exp.runtime.lora.export", "export_run")]),
-    "capibara-exp-meta": ("capibara_exp.cli.meta", [("capibara_exp.meta_consensus", "run")]),
+    "capibara-exp-meta": ("capibara_exp.cli.meta",
+                          [("capibara_exp.consensus.meta_consensus", "run")]),
     "capibara-exp-generate": ("capibara_exp.cli.generate",
                               [("capibara_exp.generation.command", "run")]),
 }
@@ -249,7 +250,7 @@ def _problem(code: int, text: str, before: dict, after: dict) -> str:
 
 
 def _release_locks(root: Path) -> None:
-    from capibara_exp import run_lock
+    from capibara_exp.base import run_lock
 
     for lock in root.rglob(run_lock.LOCK_NAME):
         run_lock.release(lock)

@@ -1,4 +1,4 @@
-"""Activation logical axes apart from the weights' (capibara_exp/logical_axes.py).
+"""Activation logical axes apart from the weights' (capibara_exp/base/logical_axes.py).
 
 The rules put the residual stream where each layout says, under FSDP too; on 8 simulated
 CPU devices an FSDP x tensor mesh (data 2 x model 4, parameters over both) trains to the
@@ -15,7 +15,7 @@ import json
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from capibara_exp import logical_axes as axes
+from capibara_exp.base import logical_axes as axes
 from capibara_exp.runtime import partitioning
 from tests.conftest import needs_libtpu
 
@@ -66,7 +66,7 @@ def test_the_conf_key_reaches_the_rules_of_both_engines():
     """partitioning.activation_sharding is a checked conf key, rendered as the additional
     rules of T5X's standard_logical_axis_rules (the local runtime's has the same name)."""
     import gin
-    from capibara_exp import config_schema
+    from capibara_exp.composing import config_schema
     from capibara_exp.runtime import gin_utils
     from capibara_exp.tuning import aot
     from tests.conftest import compose_config
@@ -171,12 +171,12 @@ MEDIUM = ["experiment=dense_tiny_lm", "topology=v5e-4", "partitioning=fsdp",
 def test_the_planner_compiles_fsdp_x_tensor_with_a_smaller_peak_under_tensor():
     """The planner's own compile (aot.compile_step) of an FSDP 2 x tensor 2 candidate for
     v5e-4: XLA's peak per chip is lower with the residual stream split over 'model'."""
-    from capibara_exp import topologies
-    from capibara_exp.tuning import aot, topology
+    from capibara_exp.base import topologies
+    from capibara_exp.tuning import aot, tpu_slice
     from tests.conftest import compose_config
 
     target = topologies.get("v5e-4")
-    devices = topology.devices(target)
+    devices = tpu_slice.devices(target)
     peaks = {}
     for layout in ("batch", "tensor"):
         cfg = compose_config([*MEDIUM, f"partitioning.activation_sharding={layout}"])

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from capibara_exp import config_schema
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli import main as cli
-from capibara_exp.config_schema import Rule
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.composing import config_schema
+from capibara_exp.composing.config_schema import Rule
 from tests.conftest import compose_config
 from tests.test_cli import error_lines
 

@@ -175,8 +175,8 @@ def test_t5x_flags_append_to_the_gin_keys_and_render_after_the_config(tmp_path: 
     """T5X's --gin_file, --gin.X=V and --gin_bindings: the rendered gin, then the files, then
     the bindings, as T5X applies them; a file's import lines for the engine's names are left
     to the engine header, so a gin file written for T5X binds the local engine's too."""
-    from capibara_exp import gin_bridge
-    from capibara_exp.paths import GIN_DIR
+    from capibara_exp.base.paths import GIN_DIR
+    from capibara_exp.composing import gin_bridge
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "inc").mkdir()
@@ -215,7 +215,7 @@ def test_model_dir_is_the_run_dir_and_the_default_is_time_stamped() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         named = compose("config", overrides=["model_dir=runs/a"], return_hydra_config=True)
@@ -285,7 +285,7 @@ SCRIPTS = {
              "capibara_exp.data.e2b.build:ensure_built"),
     "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
     "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
-    "plot": (["RUN"], ["EMPTY"], "capibara_exp.plots:render"),
+    "plot": (["RUN"], ["EMPTY"], "capibara_exp.cli.run_curves:render"),
 }
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli import checks, compose_cache, flags
 from capibara_exp.cli import compose as composing
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import CONF_DIR
-from capibara_exp.resolvers import register_resolvers
+from capibara_exp.composing.resolvers import register_resolvers
 
 
 @pytest.fixture(autouse=True)

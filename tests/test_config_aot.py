@@ -20,8 +20,8 @@ import sys
 import jax
 import pytest
 
-from capibara_exp import topologies
-from capibara_exp.tuning import aot, calibration, profile, topology
+from capibara_exp.base import topologies
+from capibara_exp.tuning import aot, calibration, profile, tpu_slice
 from capibara_exp.tuning.measure import local_chip
 from tests.conftest import EXPERIMENTS, LIBTPU_PLATFORM, compose_config
 
@@ -34,9 +34,9 @@ def tpu_target(name: str):
     if not LIBTPU_PLATFORM:
         pytest.skip(f"compiling for {name} needs libtpu, published for Linux x86_64 only "
                     f"(this is {sys.platform} {platform.machine()})")
-    assert topology.libtpu_installed(), topology.INSTALL_HINT
+    assert tpu_slice.libtpu_installed(), tpu_slice.INSTALL_HINT
     target = topologies.get(name)
-    return topology.devices(target), target.chip
+    return tpu_slice.devices(target), target.chip
 
 
 @pytest.mark.parametrize("name", COMPILED)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from capibara_exp import config_schema
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli import checks, flags
 from capibara_exp.cli.common import register_resolvers
-from capibara_exp.config_check import flatten
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.composing import config_schema
+from capibara_exp.composing.config_check import flatten
 from tests.conftest import EXPERIMENTS
 
 CONFIG_ROOTS = {"config.yaml": "config", "merge.yaml": "merge", "data_build.yaml": "data_build",
@@ -44,7 +44,7 @@ def test_every_shipped_key_has_a_type() -> None:
     untyped = [f"{key} ({path})" for (name, key), (value, path) in shipped_keys().items()
                if config_schema.rule_for(name, key, value) is None]
     assert not untyped, ("keys whose default is null, ??? or an interpolation need a RULES "
-                         f"entry in capibara_exp/config_schema.py: {untyped}")
+                         f"entry in capibara_exp/composing/config_schema.py: {untyped}")
 
 
 def test_every_rule_names_a_shipped_key() -> None:
@@ -91,10 +91,10 @@ def test_rules_hold_their_bounds_exactly(rule, good, bad) -> None:
 
 def test_merge_parameters_are_checked_by_the_registrys_own_checks() -> None:
     """merge.yaml's method parameters and consensus.merge_params take their rules from
-    consensus/registry.py (one table): what it refuses, the schema refuses, in its words."""
-    from capibara_exp.consensus import registry
+    composing/merge_methods.py (one table): what it refuses, the schema refuses, in its words."""
+    from capibara_exp.composing import merge_methods
 
-    checks = registry.param_checks()
+    checks = merge_methods.param_checks()
     cases = {"weights": ([1.0, 0.0], [1.0, float("inf")]), "num_byzantine": (2, -1),
              "num_selected": (None, 0), "scale": (-0.5, float("nan")), "density": (1.0, 0.0),
              "learn_steps": (3, 0), "learn_rate": (0.1, 0.0), "per_layer": (False, "yes"),
@@ -112,8 +112,8 @@ def test_merge_parameters_are_checked_by_the_registrys_own_checks() -> None:
 
 
 def test_the_memory_warning_threshold_is_a_conf_key() -> None:
-    from capibara_exp import gin_bridge
-    from capibara_exp.paths import GIN_DIR
+    from capibara_exp.base.paths import GIN_DIR
+    from capibara_exp.composing import gin_bridge
     from tests.conftest import compose_config
 
     text = gin_bridge.render(compose_config(["monitor=default",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from capibara_exp.tuning import confirm, plan, search
-from capibara_exp.tuning.space import Candidate
+from capibara_exp.tuning.mesh_space import Candidate
 
 GIB = 2**30
 BUDGET = 16 * GIB

@@ -12,10 +12,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from capibara_exp import experiment
-from capibara_exp.consensus import action, evaluate, federated, methods, report, run, store
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.consensus import action, federated, merge_report, methods, run, store, validation
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, run_gate
 from capibara_exp.consensus.merge import REPORT, MergeSpec, merge
-from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity
 from capibara_exp.runtime.trainer import TrainState
 from tests.conftest import compose_config
@@ -57,7 +57,7 @@ def setup(tmp_path_factory, data_dir):
         state = federated.local_steps(trainer, start, batches, LOCAL_STEPS)
         honest.append(save_tree(root / f"honest{i}", LOCAL_STEPS,
                                 state.state_dict(), config_gin))  # sharded jax.Arrays
-    selection, held_out = evaluate.from_parts(parts)
+    selection, held_out = validation.from_parts(parts)
     return {"root": root, "config_gin": config_gin, "parts": parts, "base": base,
             "honest": honest, "evaluator": selection, "report_evaluator": held_out}
 
@@ -226,8 +226,8 @@ def test_greedy_soup_is_never_worse_than_the_best_single_candidate(setup, tmp_pa
     merged = read_tree(Path(rep["merged_checkpoint"]))["target"]
     assert rep["val_loss"]["merged"] == pytest.approx(selection.loss(merged), rel=1e-6)
     assert rep["held_out_loss"]["merged"] == pytest.approx(held_out.loss(merged), rel=1e-6)
-    assert report.warning_lines(rep) == []
-    assert "in-sample" in report.warning_lines(dict(rep, held_out_loss=None))[0]
+    assert merge_report.warning_lines(rep) == []
+    assert "in-sample" in merge_report.warning_lines(dict(rep, held_out_loss=None))[0]
 
 
 @pytest.mark.slow
@@ -282,8 +282,8 @@ def test_fedavg_with_dp_reports_epsilon_and_learns(setup, tmp_path) -> None:
 def test_capibara_exp_merge_config_composes_and_merges(setup, tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.consensus.command import run_merge
-    from capibara_exp.paths import CONF_DIR
 
     runs = [str(c.step_dir) for c in setup["honest"][:3]]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -396,7 +396,7 @@ def compose_merge(runs: list, out: Path, overrides: list[str]):
     """conf/merge.yaml as `capibara-exp-merge` composes it."""
     from hydra import compose, initialize_config_dir
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("merge", overrides=[f"runs=[{','.join(str(r) for r in runs)}]",
@@ -449,13 +449,13 @@ def test_no_manifest_is_rejected_by_default_or_merged_marked_unverified(setup, t
     strict = merge(cands, MergeSpec("uniform"), tmp_path / "strict", None, shipped_gate())
     assert "no checksum manifest" in strict["rejections"]["bare"]
     assert "require_manifest=false" in strict["rejections"]["bare"] and strict["unverified"] == []
-    assert report.warning_lines(strict) == [f"rejected bare: {strict['rejections']['bare']}"]
+    assert merge_report.warning_lines(strict) == [f"rejected bare: {strict['rejections']['bare']}"]
     lenient = merge(cands, MergeSpec("uniform"), tmp_path / "lenient", None,
                     shipped_gate("gate.require_manifest=false"))
     assert [(r["accepted"], r["integrity"]) for r in lenient["candidates"]] == [
         (True, "unverified"), (True, "verified"), (True, "verified")]
     assert lenient["unverified"] == ["bare"]
-    assert "integrity unverified: bare" in report.warning_lines(lenient)[0]
+    assert "integrity unverified: bare" in merge_report.warning_lines(lenient)[0]
 
 
 def run_merge_cfg(cfg) -> dict:

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 
+from capibara_exp.composing.merge_methods import MergeSpec
 from capibara_exp.consensus import ancestry, store
 from capibara_exp.consensus.gate import GateConfig
 from capibara_exp.consensus.merge import merge
-from capibara_exp.consensus.registry import MergeSpec
 from capibara_exp.runtime import integrity, lineage
 from tests.test_train import read_checkpoint, train
 

@@ -27,8 +27,8 @@ def train(model_dir: Path, *overrides: str):
 
 
 def test_last_k_action_is_bound_in_config_gin_for_both_engines() -> None:
-    from capibara_exp import gin_bridge
-    from capibara_exp.paths import GIN_DIR
+    from capibara_exp.base.paths import GIN_DIR
+    from capibara_exp.composing import gin_bridge
 
     cfg = compose_config([*TINY, *COMMON])
     local, t5x = (gin_bridge.render(cfg, e, GIN_DIR) for e in ("local", "t5x"))
@@ -49,8 +49,8 @@ def test_checksum_action_is_bound_identically_for_both_engines(tmp_path, choice,
     """T5X writes no checksum manifests: every run binds an action that does (consensus
     choices add theirs), with the same gin under both engines."""
     import gin
-    from capibara_exp import gin_bridge
-    from capibara_exp.paths import GIN_DIR
+    from capibara_exp.base.paths import GIN_DIR
+    from capibara_exp.composing import gin_bridge
 
     cfg = compose_config([*TINY, *COMMON[:3], f"consensus={choice}"])
     local, t5x = (gin_bridge.render(cfg, e, GIN_DIR) for e in ("local", "t5x"))

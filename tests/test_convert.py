@@ -176,7 +176,7 @@ def test_import_into_a_non_empty_directory_is_refused(tmp_path: Path, capsys) ->
 
 
 def test_export_of_the_t5_style_decoder_names_why(tmp_path: Path) -> None:
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
 
     with pytest.raises(ConfigError, match="position_embedding=relative"):
         hf_export.family_for(hf_export.compose_entry("dense_tiny"))

@@ -113,7 +113,7 @@ def _records(model_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_stages_have_their_own_learning_rate_batch_size_and_frozen_modules(
         tmp_path: Path, data_dir) -> None:
-    from capibara_exp.runtime.config import create_learning_rate_scheduler
+    from capibara_exp.runtime.utils import create_learning_rate_scheduler
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run(straight, *WITH_SETTINGS)[0] == 5
@@ -152,12 +152,12 @@ def test_stage_settings_are_checked() -> None:
             parse_stages([stage], 2)
 
 
-def test_easy_to_hard_stages_read_the_routing_data_by_difficulty(data_dir) -> None:
+def test_easy_to_hard_stages_read_the_routing_data_by_difficulty(e2b_data) -> None:
     import dataclasses
 
     from capibara_exp.data import routing_difficulty
     from capibara_exp.runtime import curriculum
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(mixture_or_task_name="capibara_bytes_lm", task_feature_lengths={
         "targets": 64}, split="train", batch_size=4, shuffle=False, seed=0)

@@ -4,9 +4,9 @@ capibara_exp/data/e2b/ is the offline pipeline (collect, parse, scrub, build); t
 beside it (tasks, routing_tasks, packing, corpus, routing) are what training reads. The
 offline side never imports SeqIO, TensorFlow, JAX or the training side (only the plain
 modules both share: corpus's file helpers, routing's domains); the training side
-reaches the offline pipeline through `e2b.build` alone (to build on first read); nothing
-else in the project imports the offline pipeline but its console script and the
-experiment's data preparation.
+reaches the offline pipeline through `e2b.built` alone (to read the manifest; it never
+builds); nothing else in the project imports the offline pipeline but its console script,
+the experiment's data preparation (the build's two triggers) and the code-generation side.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "capibara_exp"
 E2B = PACKAGE / "data" / "e2b"
-TRAINING_SIDE = ("tasks", "routing_tasks", "packing", "corpus", "routing")
+TRAINING_SIDE = ("tasks", "routing_tasks", "routing_difficulty", "packing", "corpus", "routing")
 HEAVY = ("seqio", "tensorflow", "jax", "flax", "optax", "orbax")
 
 
@@ -43,7 +43,7 @@ def _violations(files, rule) -> list[str]:
 def test_the_offline_pipeline_never_imports_the_training_side_or_its_stack() -> None:
     # corpus and routing are plain modules both sides share (file writes, domain names)
     training = tuple(f"capibara_exp.data.{m}" for m in ("tasks", "routing_tasks", "packing"))
-    training += ("capibara_exp.runtime", "capibara_exp.nets", "capibara_exp.gin_bridge")
+    training += ("capibara_exp.runtime", "capibara_exp.nets", "capibara_exp.composing.gin_bridge")
     files = sorted(E2B.rglob("*.py")) + [
         PACKAGE / "data" / "corpus.py",
         PACKAGE / "data" / "routing.py",
@@ -57,13 +57,13 @@ def test_the_offline_pipeline_never_imports_the_training_side_or_its_stack() -> 
     assert not bad, bad
 
 
-def test_the_training_side_reaches_the_offline_pipeline_only_through_build() -> None:
+def test_the_training_side_reaches_the_offline_pipeline_only_through_built() -> None:
     files = [PACKAGE / "data" / f"{m}.py" for m in TRAINING_SIDE]
     bad = _violations(
         files,
         lambda m: (
             m.startswith("capibara_exp.data.e2b")
-            and m not in ("capibara_exp.data.e2b", "capibara_exp.data.e2b.build")
+            and m not in ("capibara_exp.data.e2b", "capibara_exp.data.e2b.built")
         ),
     )
     assert not bad, bad
@@ -73,8 +73,7 @@ def test_only_the_data_command_and_data_preparation_import_the_offline_pipeline(
     allowed = {PACKAGE / "cli" / "data.py", PACKAGE / "experiment.py",
                # execution scoring runs generated programs in the E2B sandbox (its limits and
                # minimal environment), and the code-generation task reads the built E2B
-               # records, building them on first read as the routing tasks do (one more
-               # trigger of the build: the structure issue folds the triggers into one)
+               # records (e2b.built: never building them)
                PACKAGE / "generation" / "execution.py", PACKAGE / "generation" / "codegen_task.py"}
     files = [
         f

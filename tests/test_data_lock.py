@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from capibara_exp import run_lock
+from capibara_exp.base import run_lock
 from capibara_exp.data.e2b import build
 from tests.snapshots import snapshot
 
@@ -97,7 +97,7 @@ def test_a_run_reading_the_data_waits_for_the_build_in_progress(tmp_path: Path) 
 
     out = build.dataset_dir(tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from capibara_exp import run_lock\n"
+        [sys.executable, "-c", "import sys, time; from capibara_exp.base import run_lock\n"
          f"run_lock.hold({str(out)!r}); print('held', flush=True); sys.stdin.readline()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

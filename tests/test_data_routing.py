@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capibara_exp import gin_bridge
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
 from capibara_exp.data import routing
 from capibara_exp.data.e2b import build, collector, playbooks, processing, sandbox, snippets
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import ExecutionRecord, parse_records, write_records
-from capibara_exp.paths import GIN_DIR
 from tests.conftest import compose_config
 
 # Real JavaScript for the javascript domain: node runs it in the sandbox like any snippet.
@@ -273,6 +273,22 @@ def tasks(built: tuple[Path, dict]):
     return routing_tasks
 
 
+def test_a_task_never_builds_and_names_the_command_when_nothing_is_built(
+        tasks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import seqio
+
+    from capibara_exp.data.e2b import built
+
+    monkeypatch.setenv("CAPIBARA_DATA_DIR", str(tmp_path))
+    with pytest.raises(built.NotBuilt) as caught:
+        next(seqio.get_mixture_or_task(tasks.domain_task("sql")).get_dataset(
+            {"targets": 128}, split="validation", shuffle=False, num_epochs=1,
+            use_cached=False).as_numpy_iterator())
+    message = str(caught.value)
+    assert "\n" not in message and f"capibara-exp-data data_dir={tmp_path}" in message
+    assert list(tmp_path.iterdir()) == []  # nothing built, nothing made
+
+
 def test_each_domain_task_yields_its_domain(tasks) -> None:
     import seqio
 
@@ -291,7 +307,7 @@ def test_mixture_gives_packed_batches_and_next_fit_is_seqio(tasks) -> None:
 
     from capibara_exp.data import packing
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(
         mixture_or_task_name="capibara_e2b_routing",
@@ -350,7 +366,7 @@ def test_routing_gin_binds_the_mixture_and_packer(tasks, tmp_path: Path) -> None
     gin_utils.parse(tmp_path / "config.gin", gin_bridge.render(cfg, "local", GIN_DIR))
     name = gin.get_configurable(tasks.mixture_with_rates)()
     assert name.startswith("capibara_e2b_routing_")  # the overridden rate made a variant
-    from capibara_exp.runtime import config as utils
+    from capibara_exp.runtime import utils
 
     with gin.config_scope("train"):
         assert gin.get_configurable(utils.DatasetConfig)().packer == packing.Packer("next_fit")
@@ -434,7 +450,7 @@ def test_dropping_the_batch_iterator_stops_its_producer(tasks) -> None:
     import seqio
 
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(
         mixture_or_task_name=tasks.domain_task("ml"),
@@ -456,3 +472,17 @@ def test_dropping_the_batch_iterator_stops_its_producer(tasks) -> None:
     ):
         time.sleep(0.05)
     assert not any(t.name == "capibara-input" for t in threading.enumerate())
+
+
+def test_a_run_builds_the_e2b_data_first_when_a_task_it_reads_needs_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from capibara_exp import experiment
+    from tests.conftest import compose_config
+
+    monkeypatch.delenv("CAPIBARA_CODEGEN_LOGS", raising=False)
+    reads = {o: experiment.reads_e2b_data(compose_config([o] if o else []))
+             for o in ("", "data=e2b_routing", "curriculum=easy_to_hard", "infer_eval=codegen")}
+    assert reads == {"": False, "data=e2b_routing": True, "curriculum=easy_to_hard": True,
+                     "infer_eval=codegen": True}
+    monkeypatch.setenv("CAPIBARA_CODEGEN_LOGS", "logs.jsonl")  # its own logs: no build
+    assert not experiment.reads_e2b_data(compose_config(["infer_eval=codegen"]))

@@ -15,7 +15,7 @@ import seqio
 
 from capibara_exp.convert.hf_export import compose_entry
 from capibara_exp.convert.network import network
-from capibara_exp.generation import decoding
+from capibara_exp.runtime import decoding
 
 ENTRIES = ["dense_tiny", "moe_tiny", "llama3_tiny", "mistral_tiny", "qwen2_5_tiny",
            "qwen3_tiny", "gemma2_tiny", "gemma3_tiny", "mixtral_tiny", "qwen3_moe_tiny"]
@@ -196,7 +196,7 @@ def _counting_steps(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("sample", [{}, {"method": "sample", "temperature": 1.5,
                                          "num_samples": 2, "seed": 3}])
 def test_stops_end_the_decode_loop_early_with_the_cut_output(monkeypatch, sample) -> None:
-    from capibara_exp.generation import stopping
+    from capibara_exp.runtime import stopping
 
     steps = _counting_steps(monkeypatch)
     max_new = 12

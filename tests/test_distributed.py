@@ -82,7 +82,7 @@ def test_two_processes_of_four_devices_train_as_one_of_eight(tmp_path, data_dir)
 def test_distributed_settings_errors_name_the_keys(tmp_path):
     from omegaconf import OmegaConf
 
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.launch import distributed
 
     def settings(**kw):
@@ -118,7 +118,7 @@ def test_tpu_vm_dry_run_writes_the_launch_script(tmp_path, runtime):
     assert out.stdout.strip() == script.strip()  # the dry run prints what it wrote
     assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
     gin_text = (tmp_path / "run" / "config.gin").read_text()
-    header = "from t5x import utils" if runtime == "t5x" else "runtime import config as utils"
+    header = "from t5x import utils" if runtime == "t5x" else "runtime import utils"
     assert header in gin_text
     # v5e-64: 64 chips on 16 TPU VMs of 4 chips (as libtpu describes the slice), one command
     # on every worker, the same gin, shared dirs.

@@ -11,8 +11,9 @@ import tempfile
 
 import pytest
 
-from capibara_exp import topologies
-from capibara_exp.tuning import aot, confirm, early, hlo, topology
+from capibara_exp.base import topologies
+from capibara_exp.tuning import aot, confirm, early, hlo
+from capibara_exp.tuning import tpu_slice as topology
 from tests.conftest import LIBTPU_PLATFORM, compose_config
 
 TINY = ["model=llama3_tiny", "topology=v6e-8", "partitioning=fsdp", "data.batch_size=8",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from capibara_exp import phases
+from capibara_exp.base import phases
 
 
 def test_importing_capibara_exp_changes_no_environment() -> None:
@@ -28,7 +28,7 @@ def test_tensorflow_loads_quietly_unless_verbose(verbose: bool) -> None:
     """TensorFlow's shared libraries print INFO lines while they load (CUDA lookups, absl's
     preamble), before any log level applies: prepare + import_tensorflow drop exactly those;
     a line written to stderr during the import still gets through."""
-    probe = ("import os, sys\nfrom capibara_exp import environment\n"
+    probe = ("import os, sys\nfrom capibara_exp.base import environment\n"
              f"environment.prepare({verbose})\n"
              "import builtins\nreal = builtins.__import__\n"
              "def noisy(name, *a, **k):\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from capibara_exp import topologies
-from capibara_exp.tuning import calibration, estimate, report
+from capibara_exp.base import topologies
+from capibara_exp.tuning import calibration, estimate, plan_report
 
 
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
@@ -23,7 +23,7 @@ def test_each_generation_has_datasheet_physics_and_a_stated_calibration(generati
         assert note["calibration_warning"] == ""
     else:
         assert note["calibration_warning"].startswith(f"{generation} has no calibration point")
-    line = report._calibration_line(note)
+    line = plan_report._calibration_line(note)
     assert "fitted on v5e only" in line and "+-5.6%" in line
     assert ("Warning" in line) == (generation != "v5e")
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 import gin
-from capibara_exp import experiment, gin_bridge
-from capibara_exp.errors import Preempted
-from capibara_exp.paths import GIN_DIR
+from capibara_exp import experiment
+from capibara_exp.base.errors import Preempted
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
 from capibara_exp.runtime import gin_utils, train_script
 from capibara_exp.runtime.events import Callback
 from tests.conftest import compose_config

@@ -14,12 +14,12 @@ import optax
 import pytest
 import seqio
 
-from capibara_exp import gin_bridge
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
 from capibara_exp.cli import plot as plot_cli
-from capibara_exp.errors import ConfigError
+from capibara_exp.composing import gin_bridge
 from capibara_exp.nets import Decoder, DecoderConfig
-from capibara_exp.paths import GIN_DIR
-from capibara_exp.runtime import checkpoints, config, models, optimizers, partitioning
+from capibara_exp.runtime import checkpoints, models, optimizers, partitioning, utils
 from capibara_exp.runtime.state import initial_state
 from capibara_exp.runtime.train_script import TrainingDiverged
 from capibara_exp.runtime.trainer import EarlyStoppingAction, Trainer
@@ -41,7 +41,7 @@ def make_trainer(model, **kwargs):
     trainer = Trainer(model=model, train_state=state, partitioner=partitioning.PjitPartitioner(),
                       eval_names=[], summary_dir=None, train_state_axes=axes,
                       rng=jax.random.PRNGKey(1), num_microbatches=None,
-                      learning_rate_fn=config.create_learning_rate_scheduler(), **kwargs)
+                      learning_rate_fn=utils.create_learning_rate_scheduler(), **kwargs)
     return trainer, trainer.prepare_state(state)
 
 
@@ -97,7 +97,7 @@ def test_warmup_cosine_schedule_matches_the_hand_formula() -> None:
     cfg = compose_config(["schedule=warmup_cosine", "schedule.warmup_steps=10",
                           "schedule.steps_per_cycle=40", "schedule.base_learning_rate=0.5"])
     s = cfg.schedule
-    fn = config.create_learning_rate_scheduler(
+    fn = utils.create_learning_rate_scheduler(
         factors=s.lr_factors, base_learning_rate=s.base_learning_rate,
         warmup_steps=s.warmup_steps, steps_per_cycle=s.steps_per_cycle)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capibara_exp.consensus import dp, evaluate, federated, fedopt, run, store
+from capibara_exp.consensus import dp, federated, fedopt, run, store, validation
 from capibara_exp.consensus.fedconfig import FedConfig
 from capibara_exp.runtime import lineage
 from tests.test_train import train
@@ -23,7 +23,7 @@ def parts(tmp_path_factory, data_dir) -> dict:
           "checkpoint.checkpoint_period=3", "trainer.eval_steps=2")
     config_gin = root / "run" / "config.gin"
     p = run.load_parts(config_gin)
-    selection, _ = evaluate.from_parts(p, 2, 0)
+    selection, _ = validation.from_parts(p, 2, 0)
     return {"root": root, "parts": p, "evaluator": selection,
             "checkpoint": root / "run" / "checkpoint_3"}
 

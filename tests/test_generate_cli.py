@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE
 from capibara_exp.cli import generate as generate_cli
-from capibara_exp.errors import PREEMPTED_EXIT_CODE
 from tests.test_train import train
 
 

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gin
-from capibara_exp import gin_bridge
-from capibara_exp.errors import ConfigError
-from capibara_exp.gin_bridge import GinReference, to_gin_literal
-from capibara_exp.paths import GIN_DIR
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
+from capibara_exp.composing.gin_bridge import GinReference, to_gin_literal
 from capibara_exp.runtime import gin_utils
 from tests.conftest import EXPERIMENTS, compose_config
 
@@ -135,7 +135,7 @@ def test_default_data_packing_is_a_conf_key(packing: str | None, tmp_path: Path)
     unless told), passed to the input pipeline in the DatasetConfigs the local engine's gin
     edge builds; T5X packs with seqio and ignores it."""
     from capibara_exp.data.packing import Packer
-    from capibara_exp.runtime import config as utils
+    from capibara_exp.runtime import utils
 
     cfg = compose_config([f"data.packing={packing}"] if packing else [])
     text = gin_bridge.render(cfg, "local", GIN_DIR)

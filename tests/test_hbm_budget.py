@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from capibara_exp import topologies
-from capibara_exp.topologies import GIB
+from capibara_exp.base import topologies
+from capibara_exp.base.topologies import GIB
 from capibara_exp.tuning import aot
 from tests.conftest import needs_libtpu
 
@@ -33,10 +33,10 @@ def test_the_table_holds_what_xla_says_a_program_may_use(generation):
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from capibara_exp.tuning import topology
+    from capibara_exp.tuning import tpu_slice
 
     target = topologies.get(SMALLEST[generation])
-    device = topology.devices(target)[0]
+    device = tpu_slice.devices(target)[0]
     place = SingleDeviceSharding(device)
 
     def too_big(x):  # a sort of 256 GiB, which XLA must hold at once

@@ -11,7 +11,7 @@ import optax
 from flax import serialization
 
 from capibara_exp.runtime import hyperparams as lifted_optax
-from capibara_exp.runtime.config import create_learning_rate_scheduler
+from capibara_exp.runtime.utils import create_learning_rate_scheduler
 
 
 def params() -> dict:
@@ -84,7 +84,7 @@ def test_every_gin_optimizer_name_is_optax_s_own_lifted() -> None:
     it) and wraps optax's function of that name, which engine=t5x uses itself."""
     import re
 
-    from capibara_exp.paths import GIN_DIR
+    from capibara_exp.base.paths import GIN_DIR
 
     used = {m for path in GIN_DIR.rglob("*.gin")
             for m in re.findall(r"(?<![/\w])hyperparams\.(\w+)(?=[(.:\s])", path.read_text())}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import seqio
 
-from capibara_exp import meta_consensus
+from capibara_exp.consensus import meta_consensus
 from capibara_exp.runtime.metrics import final_metrics
 from tests.test_train import train
 
@@ -147,9 +147,9 @@ def test_pass_at_k_of_several_samples_is_the_estimator_over_the_recorded_counts(
 def test_sample_settings_are_refused_at_compose_time(overrides, message) -> None:
     """...and several samples are not refused under engine=t5x (T5X draws them:
     tests/test_t5x_engine.py)."""
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.cli import checks, flags
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.errors import ConfigError
 
     register_resolvers()
     line = flags.parse(["infer_eval=codegen", *overrides, "model_dir=/tmp/x"])
@@ -205,9 +205,9 @@ def test_the_task_and_the_inference_eval_take_the_models_vocabulary(tmp_path: Pa
 
 
 def test_a_sweep_on_a_pass_at_k_the_runs_do_not_report_is_refused() -> None:
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.cli import checks, flags
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.errors import ConfigError
 
     register_resolvers()
     samples = ["infer_eval=codegen", "infer_eval.infer_eval_num_samples=4",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity, resume
 
 

@@ -55,14 +55,14 @@ def test_cached_compiles_are_reused_only_under_the_same_flags(tmp_path):
     """The planner's result cache keys on the compile context (the experiment with its libtpu
     flags, the compiler versions): a search in the same output dir with other flags compiles
     again, and the other flags' results stay in the file for when they come back."""
-    from capibara_exp.tuning import plan, search, space
+    from capibara_exp.tuning import mesh_space, plan, search
     from tests.conftest import compose_config
 
     plain = plan.compile_context(plan.experiment_config(compose_config([])))
     flagged = plan.compile_context(plan.experiment_config(compose_config(
         ["libtpu_init_args='--xla_enable_async_all_gather=true'"])))
     assert plain != flagged
-    cand = space.candidates(4, num_heads=4, num_experts=None, batch_size=8,
+    cand = mesh_space.candidates(4, num_heads=4, num_experts=None, batch_size=8,
                             num_microbatches=[1], remat_policies=["full"], fsdp=[True])[0]
     path = tmp_path / plan.CACHE
     search.Cache(path, plain).put(cand, {"feasible": True, "est_mfu": 0.4})

@@ -14,8 +14,8 @@ import pytest
 import qwix
 from flax import traverse_util
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.cli import lora as lora_cli
-from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity
 from tests.test_train import leaves_equal, read_checkpoint, train
 
@@ -190,8 +190,8 @@ def test_lora_checkpoints_are_not_merged_but_their_exports_are(tmp_path: Path) -
     """Averaging adapter factors A and B is not averaging their updates: a merge of LoRA
     checkpoints is refused, at compose time (consensus=...) and by the merge's reader."""
     from capibara_exp.cli import checks, flags
+    from capibara_exp.composing.resolvers import register_resolvers
     from capibara_exp.consensus import store
-    from capibara_exp.resolvers import register_resolvers
     from capibara_exp.runtime.lora import base
 
     register_resolvers()

@@ -88,7 +88,7 @@ def _run(model, partitioner, trainer_cls, single_device: bool, kind: str, **kw) 
 def worker() -> dict:
     import jax
 
-    from capibara_exp.runtime import moe, partitioning
+    from capibara_exp.runtime import contrib_moe, partitioning
     from capibara_exp.runtime.trainer import Trainer
 
     assert jax.device_count() == DEVICES, jax.devices()
@@ -109,8 +109,8 @@ def worker() -> dict:
                                          Trainer, single, "dense")
         sparse = _lora(_model(True), tmp / "moe", experts)
         report[f"moe_{single}"] = _run(
-            sparse, moe.MoePjitPartitioner(num_expert_partitions=2, num_partitions=2),
-            moe.MoeTrainer, single, "moe", num_expert_partitions=2)
+            sparse, contrib_moe.MoePjitPartitioner(num_expert_partitions=2, num_partitions=2),
+            contrib_moe.MoeTrainer, single, "moe", num_expert_partitions=2)
     return report
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from capibara_exp.composing.merge_methods import MergeSpec
 from capibara_exp.consensus import interpolate, store, task_vectors
 from capibara_exp.consensus.gate import GateConfig
 from capibara_exp.consensus.merge import merge
-from capibara_exp.consensus.registry import MergeSpec
 from capibara_exp.runtime import checkpoints
 from tests import merge_references as ref
 

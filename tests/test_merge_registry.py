@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from capibara_exp.consensus import action, registry
-from capibara_exp.consensus.registry import METHODS, MergeSpec
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.composing import merge_methods
+from capibara_exp.composing.merge_methods import METHODS, MergeSpec
+from capibara_exp.consensus import action
 
 
 def test_conf_merge_yaml_has_every_parameter_with_the_registrys_default() -> None:
@@ -22,7 +23,7 @@ def test_conf_merge_yaml_has_every_parameter_with_the_registrys_default() -> Non
     fields = dataclasses.fields(MergeSpec)[1:]
     assert {f.name: conf[f.name] for f in fields} == {f.name: f.default for f in fields}
     used = {p for m in METHODS.values() for p in m.params}
-    assert used == set(registry.param_names())  # no parameter that no method reads
+    assert used == set(merge_methods.param_names())  # no parameter that no method reads
     text = (CONF_DIR / "merge.yaml").read_text()
     assert all(re.search(rf"^{f.name}: .*# ", text, re.M) for f in fields)  # each explained
 
@@ -31,7 +32,7 @@ def test_the_console_help_is_the_registrys() -> None:
     script = Path(sys.executable).parent / "capibara-exp-merge"
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
-    assert registry.help_text() in done.stdout
+    assert merge_methods.help_text() in done.stdout
     for name, method in METHODS.items():
         assert re.search(rf"^  {name} +{re.escape(method.help)}", done.stdout, re.M)
 
@@ -64,7 +65,7 @@ def test_bounds_for_the_candidates_given_are_errors_not_clamps() -> None:
     with pytest.raises(ValueError, match="one weight per candidate \\(3\\), got 2"):
         MergeSpec("weighted", weights=(1.0, 1.0)).check_candidates(3)
     with pytest.raises(ValueError, match="merge parameter 'f' is not one of weights, "):
-        registry.spec_from("krum", {"f": 1})
+        merge_methods.spec_from("krum", {"f": 1})
 
 
 def test_the_action_takes_the_registrys_parameters(tmp_path) -> None:

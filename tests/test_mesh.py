@@ -35,7 +35,7 @@ def _model(moe_layers: bool, num_heads: int = 8):
     import seqio
 
     from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
-    from capibara_exp.runtime import models, moe, optimizers
+    from capibara_exp.runtime import contrib_moe, models, optimizers
 
     cfg = DecoderConfig(vocab_size=64, emb_dim=32, num_heads=num_heads, head_dim=8,
                         num_layers=2, mlp_dim=64)
@@ -44,7 +44,7 @@ def _model(moe_layers: bool, num_heads: int = 8):
     if not moe_layers:
         return models.DecoderOnlyModel(Decoder(cfg), vocab, opt)
     net = MoeDecoder(cfg, MoeConfig(num_experts=4, num_selected_experts=2, capacity_factor=1.0))
-    return moe.MoeDecoderOnlyModel(net, vocab, opt, aux_loss_factor=0.1,
+    return contrib_moe.MoeDecoderOnlyModel(net, vocab, opt, aux_loss_factor=0.1,
                                    router_z_loss_factor=0.01)
 
 
@@ -108,7 +108,7 @@ def worker() -> dict:
     """Everything that needs the 8 devices, in one process (run as `python -m tests.test_mesh`)."""
     import jax
 
-    from capibara_exp.runtime import moe, partitioning
+    from capibara_exp.runtime import contrib_moe, partitioning
     from capibara_exp.runtime.trainer import Trainer
 
     assert jax.device_count() == DEVICES, jax.devices()
@@ -121,12 +121,13 @@ def worker() -> dict:
                                      mesh=dict(p.mesh.shape))
 
     def moe_partitioner():
-        return moe.MoePjitPartitioner(num_expert_partitions=2, num_partitions=2)
+        return contrib_moe.MoePjitPartitioner(num_expert_partitions=2, num_partitions=2)
 
     kw = {"num_expert_partitions": 2}
-    report["moe_reference"] = _run(_model(True), moe_partitioner(), moe.MoeTrainer, True, **kw)
+    report["moe_reference"] = _run(_model(True), moe_partitioner(), contrib_moe.MoeTrainer, True,
+                                   **kw)
     p = moe_partitioner()
-    report["moe"] = dict(_run(_model(True), p, moe.MoeTrainer, False, **kw),
+    report["moe"] = dict(_run(_model(True), p, contrib_moe.MoeTrainer, False, **kw),
                          mesh=dict(p.mesh.shape))
 
     def moe_trainer_on(partitioner, experts_model=None):
@@ -134,17 +135,18 @@ def worker() -> dict:
 
         model = experts_model or _model(True)
         state, axes = initial_state(model, jax.random.PRNGKey(0), 8, 16)
-        moe.MoeTrainer(model=model, train_state=state, partitioner=partitioner, eval_names=[],
+        contrib_moe.MoeTrainer(model=model, train_state=state, partitioner=partitioner,
+                               eval_names=[],
                        summary_dir=None, train_state_axes=axes, rng=jax.random.PRNGKey(1),
                        learning_rate_fn=lambda s: 1e-2, num_microbatches=None,
                        num_expert_partitions=partitioner.num_expert_partitions)
 
     report["errors"] = {
         "model_axis": _error(lambda: partitioning.PjitPartitioner(num_partitions=3)),
-        "expert_axis": _error(lambda: moe.MoePjitPartitioner(num_expert_partitions=3,
+        "expert_axis": _error(lambda: contrib_moe.MoePjitPartitioner(num_expert_partitions=3,
                                                              num_partitions=2)),
         "more_expert_partitions_than_experts": _error(lambda: moe_trainer_on(
-            moe.MoePjitPartitioner(num_expert_partitions=8))),
+            contrib_moe.MoePjitPartitioner(num_expert_partitions=8))),
         "batch": _error(lambda: moe_partitioner().check_batch_size(6)),
         "heads": _error(lambda: _run(_model(False, num_heads=4),
                                      partitioning.PjitPartitioner(num_partitions=8), Trainer,

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from capibara_exp import experiment, meta_consensus
+from capibara_exp import experiment
+from capibara_exp.base.errors import ConfigError, Preempted
 from capibara_exp.cli.meta import compose_member
-from capibara_exp.errors import ConfigError, Preempted
+from capibara_exp.consensus import meta_consensus
 from tests.test_train import TINY
 
 COMMON = [*TINY, "trainer.train_steps=4", "trainer.eval_period=4",

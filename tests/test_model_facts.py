@@ -12,9 +12,10 @@ import pytest
 from flax import traverse_util
 from omegaconf import OmegaConf
 
-from capibara_exp import config_schema, model_facts
+from capibara_exp.base import model_facts
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.composing import config_schema
 from capibara_exp.convert.network import network
-from capibara_exp.paths import CONF_DIR
 from tests.conftest import compose_config
 
 ENTRIES = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -66,3 +67,37 @@ def test_the_schema_and_the_networks_check_the_lists_model_facts_owns() -> None:
         assert f'"{name}")' in source, name
     for listed in ('"relative", "rope"', '"dot", "splash"', '"none", "linear", "llama3"'):
         assert listed not in source, f"nets/ restates a list model_facts owns: {listed}"
+
+
+# A size formula written again: 6 x parameters (the FLOP rule), the embedding table, the
+# MLP's kernels. model_facts is the one place these products appear.
+_FORMULAS = (r"\b6(\.0)?\s*\*\s*[A-Za-z_.]*param",
+             r"\b(vocab_size|emb_dim)\s*\*\s*[A-Za-z_.]*\b(vocab_size|emb_dim)\b",
+             r"\b(emb_dim|mlp_dim)\s*\*\s*[A-Za-z_.]*\b(mlp_dim|emb_dim)\b")
+
+
+def _restatements(source: str) -> list[str]:
+    """The lists model_facts owns (any two neighbours, quoted as in code) and the size
+    formulas, as found in `source`."""
+    import re
+
+    found = []
+    for name, value in vars(model_facts).items():
+        if name.isupper() and isinstance(value, tuple) and len(value) > 1:
+            for a, b in zip(value, value[1:], strict=False):
+                # neighbours in a tuple or list, not a mapping's key and value
+                if re.search(rf"(?<!:\s)['\"]{a}['\"],\s*['\"]{b}['\"](?!\s*:)", source):
+                    found.append(f"{name}: {a}, {b}")
+    found += [p for p in _FORMULAS if re.search(p, source)]
+    return found
+
+
+def test_no_module_restates_a_list_or_a_size_formula_model_facts_owns() -> None:
+    root = Path(model_facts.__file__).parent
+    restated = {str(p.relative_to(root)): _restatements(p.read_text())
+                for p in sorted(root.rglob("*.py")) if p != Path(model_facts.__file__)}
+    assert {k: v for k, v in restated.items() if v} == {}
+    # the check finds what it looks for
+    assert _restatements('Choice("float32", "bfloat16")') == ["DTYPES: float32, bfloat16"]
+    assert _restatements("w = 6.0 * params * tokens") == [_FORMULAS[0]]
+    assert _restatements("n = cfg.vocab_size * cfg.emb_dim") == [_FORMULAS[1]]

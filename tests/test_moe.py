@@ -14,12 +14,13 @@ import optax
 import pytest
 import seqio
 
-from capibara_exp import experiment, gin_bridge
-from capibara_exp.errors import ConfigError
+from capibara_exp import experiment
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.composing import gin_bridge
 from capibara_exp.nets import Decoder, DecoderConfig, MoeConfig, MoeDecoder
 from capibara_exp.nets.moe import route, routing_metrics
-from capibara_exp.paths import GIN_DIR
-from capibara_exp.runtime import gin_utils, metrics, moe, optimizers
+from capibara_exp.runtime import contrib_moe, gin_utils, metrics, optimizers
 from tests.conftest import compose_config
 from tests.test_data_routing import built, log_file  # noqa: F401  (the small routing build)
 
@@ -156,8 +157,8 @@ def test_sows_t5x_moe_metrics_and_matches_dense_call_signature() -> None:
                           decoder_positions=jnp.broadcast_to(jnp.arange(12), SHAPE))
     assert logits.shape == (*SHAPE, 64) and logits.dtype == jnp.float32
     sown = state["intermediates"]["layers_1"]["mlp"]
-    assert set(moe.MOE_METRICS) <= set(sown)
-    means = moe.layer_means(state["intermediates"])
+    assert set(contrib_moe.MOE_METRICS) <= set(sown)
+    means = contrib_moe.layer_means(state["intermediates"])
     assert 0.0 <= float(means["fraction_tokens_left_behind"]) < 1.0
     assert 0.0 < float(means["router_confidence"]) <= 1.0
 
@@ -179,8 +180,8 @@ def test_jitter_and_expert_dropout_act_only_in_training() -> None:
 # ----------------------------------------------------------------------------- the model
 
 
-def make_model(module, **kw) -> moe.MoeDecoderOnlyModel:
-    return moe.MoeDecoderOnlyModel(module, seqio.PassThroughVocabulary(64),
+def make_model(module, **kw) -> contrib_moe.MoeDecoderOnlyModel:
+    return contrib_moe.MoeDecoderOnlyModel(module, seqio.PassThroughVocabulary(64),
                                    optimizers.OptaxWrapper(optax.sgd(0.1)), **kw)
 
 
@@ -203,14 +204,14 @@ def test_moe_model_adds_the_scaled_aux_losses_and_reports_metrics() -> None:
     _, state = net.apply({"params": params}, batch["decoder_input_tokens"],
                          batch["decoder_target_tokens"], enable_dropout=False,
                          mutable=["intermediates"])
-    means = moe.layer_means(state["intermediates"])
+    means = contrib_moe.layer_means(state["intermediates"])
     expected = plain + 0.5 * means["auxiliary_loss"] + 0.25 * means["router_z_loss"]
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     assert float(sums["batch_count"]) == 1.0
     for key in ("experts/expert_usage", "experts/layers_1/expert_usage",
                 "experts/layers_1/fraction_tokens_left_behind", "experts/layers_1/max_load",
                 "experts/layers_1/router_confidence"):
-        assert moe.MEAN + key in sums
+        assert contrib_moe.MEAN + key in sums
 
 
 def test_moe_model_on_a_dense_module_names_the_missing_metric() -> None:
@@ -226,7 +227,7 @@ def test_router_supervision_teaches_routers_the_domain_labels() -> None:
     model = make_model(net, router_label_feature="domain_id", router_supervision_factor=1.0)
     params, batch = variables["params"], lm_batch(labels=True)
     _, sums = model.loss_fn(params, batch, None)
-    before = float(sums[moe.MEAN + "experts/router_supervision_loss"])
+    before = float(sums[contrib_moe.MEAN + "experts/router_supervision_loss"])
     # By hand: the router's log-probability of expert (label mod 4) at every token.
     _, state = net.apply({"params": params}, batch["decoder_input_tokens"],
                          batch["decoder_target_tokens"], enable_dropout=False,
@@ -236,14 +237,15 @@ def test_router_supervision_teaches_routers_the_domain_labels() -> None:
     assert before == pytest.approx(float(by_hand), rel=1e-5)
 
     def supervision(p):
-        return model.loss_fn(p, batch, None)[1][moe.MEAN + "experts/router_supervision_loss"]
+        metrics = model.loss_fn(p, batch, None)[1]
+        return metrics[contrib_moe.MEAN + "experts/router_supervision_loss"]
 
     step = jax.jit(lambda p: jax.tree.map(lambda w, g: w - 0.5 * g, p, jax.grad(supervision)(p)))
     for _ in range(20):
         params = step(params)
     _, sums = model.loss_fn(params, batch, None)
-    assert float(sums[moe.MEAN + "experts/router_supervision_loss"]) < before / 2
-    assert float(sums[moe.MEAN + "experts/router_label_accuracy"]) == 1.0
+    assert float(sums[contrib_moe.MEAN + "experts/router_supervision_loss"]) < before / 2
+    assert float(sums[contrib_moe.MEAN + "experts/router_label_accuracy"]) == 1.0
     with pytest.raises(KeyError, match="no feature 'decoder_domain_id'"):
         model.loss_fn(params, lm_batch(labels=False), None)
 
@@ -317,7 +319,7 @@ def test_router_labels_follow_their_segments_on_the_routing_mixture(
     # starts an example carries the label of the domain its text header names.
     from capibara_exp.data import routing, routing_tasks
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
     cfg = DatasetConfig(mixture_or_task_name="capibara_e2b_routing",
@@ -352,7 +354,7 @@ def test_router_labels_need_a_kernel_packer_and_an_integer_feature(
         built, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 (a fixture)
     from capibara_exp.data import packing, routing_tasks
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
     cfg = DatasetConfig(mixture_or_task_name=routing_tasks.domain_task("sql"),
@@ -380,7 +382,7 @@ def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
     # The experiment's own data (a small build of the routing mixture), debug=fast, EMA
     # (the MoE trainer takes the local engine's features like the dense one) and router
     # supervision from the domain labels; then the plot command draws the expert panels.
-    from capibara_exp import plots
+    from capibara_exp.cli import run_curves
 
     monkeypatch.setenv("CAPIBARA_DATA_DIR", str(built[0]))
     cfg = compose_config([f"model_dir={tmp_path}", *TINY, "ema=default",
@@ -397,10 +399,10 @@ def test_moe_e2b_tiny_trains_on_its_routing_mixture_with_router_supervision(
         assert 0.0 <= r["experts/router_label_accuracy"] <= 1.0
         assert r["experts/router_supervision_loss"] > 0.0
     assert list((tmp_path / "train_eval").glob("events.out.tfevents.*"))
-    drawn = plots.panels(records)
+    drawn = run_curves.panels(records)
     assert drawn["experts: max_load per layer"] == ["experts/layers_1/max_load"]
     assert "experts/router_label_accuracy" in drawn
-    assert plots.render(tmp_path, tmp_path / "curves.png").stat().st_size > 0
+    assert run_curves.render(tmp_path, tmp_path / "curves.png").stat().st_size > 0
 
 
 def test_router_supervision_is_a_local_only_group() -> None:

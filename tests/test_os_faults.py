@@ -134,8 +134,8 @@ def test_tensorstore_os_errors_are_the_machines_not_the_users() -> None:
     too many open files: the OS failure with its errno and path; a missing file is not."""
     import errno
 
+    from capibara_exp.base.errors import environment_failure
     from capibara_exp.cli import shell
-    from capibara_exp.errors import environment_failure
 
     size = ValueError('OUT_OF_RANGE: Error writing "k/0" in OCDBT database at local file '
                       '"/r/checkpoint_6.orbax-checkpoint-tmp/": Failed writing: "/r/x/d/8": '

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from capibara_exp.errors import PREEMPTED_EXIT_CODE
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE
 from capibara_exp.runtime import checkpoints, integrity
 from tests.test_distributed import _free_port
 

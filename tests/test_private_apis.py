@@ -1,4 +1,4 @@
-"""Private names of other libraries: the ones capibara_exp.private_apis lists must exist in
+"""Private names of other libraries: the ones capibara_exp.base.private_apis lists must exist in
 the installed libraries, and no other module may use any."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from capibara_exp import private_apis
+from capibara_exp.base import private_apis
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("capibara_exp", "hydra_plugins", "bench")
@@ -40,9 +40,9 @@ def test_every_listed_private_name_is_in_the_installed_library(
         found = _resolve(use)
     except (ImportError, AttributeError) as err:
         pytest.fail(f"PRIVATE API GONE: {use.module}.{use.name} is not in the installed {dist} "
-                    f"{version} ({err}). capibara_exp/private_apis.py uses it for {use.why} "
+                    f"{version} ({err}). capibara_exp/base/private_apis.py uses it for {use.why} "
                     "Find the library's public way, or its new private name, and update "
-                    "private_apis.py.")
+                    "base/private_apis.py.")
     assert callable(found), f"{use.module}.{use.name} in {dist} {version} is no longer callable"
 
 
@@ -52,7 +52,8 @@ def test_the_stale_trial_query_still_takes_a_study_id() -> None:
     params = list(inspect.signature(stale_ids).parameters)
     assert params == ["self", "study_id"], (
         f"optuna.storages.RDBStorage._get_stale_trial_ids takes {params} in optuna "
-        f"{importlib.metadata.version('optuna')}, not (self, study_id): update private_apis.py")
+        f"{importlib.metadata.version('optuna')}, not (self, study_id): "
+        "update base/private_apis.py")
 
 
 def test_jax_keeps_its_coordination_client_where_distributed_client_reads_it() -> None:
@@ -103,10 +104,10 @@ def _own(value: ast.expr) -> bool:
 
 
 def test_no_module_but_private_apis_uses_a_private_name_of_another_library() -> None:
-    allowed = ROOT / "capibara_exp" / "private_apis.py"
+    allowed = ROOT / "capibara_exp" / "base/private_apis.py"
     found = [use for folder in SOURCES for path in sorted((ROOT / folder).rglob("*.py"))
              if path != allowed for use in _private_uses(path)]
-    assert not found, ("private names used outside capibara_exp/private_apis.py (call them "
+    assert not found, ("private names used outside capibara_exp/base/private_apis.py (call them "
                        "from there, with the reason): " + "; ".join(found))
     assert _private_uses(allowed), "the scan finds nothing even where it should"
 
@@ -120,8 +121,8 @@ def test_the_sweeper_composes_each_trial_once_under_hydras_basic_launcher(
     from hydra.core.global_hydra import GlobalHydra
     from hydra.plugins.sweeper import Sweeper
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import register_resolvers, register_sweeper
-    from capibara_exp.paths import CONF_DIR
 
     ran: list[float] = []
     checks: list = []

@@ -223,7 +223,7 @@ def test_a_second_run_on_a_locked_model_dir_is_refused_with_pid_and_host(
     import subprocess
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from capibara_exp import run_lock\n"
+        [sys.executable, "-c", "import sys, time; from capibara_exp.base import run_lock\n"
          f"run_lock.hold({str(tmp_path / 'run')!r}); print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -245,7 +245,7 @@ def test_a_second_run_on_a_locked_model_dir_is_refused_with_pid_and_host(
     cli.main(args)
     err = capsys.readouterr().err
     assert reached and f"took over the stale lock of {tmp_path / 'run'} (pid {holder.pid}" in err
-    from capibara_exp import run_lock
+    from capibara_exp.base import run_lock
 
     run_lock.release(tmp_path / "run" / run_lock.LOCK_NAME)
     assert not (tmp_path / "run" / run_lock.LOCK_NAME).exists()

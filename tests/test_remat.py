@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 
 NAMED = re.compile(r"named '(\w+)'")
 
@@ -110,9 +110,9 @@ def test_bad_per_tensor_lists_are_errors_naming_the_field(kw, message):
      "model.remat_offload"),
 ])
 def test_per_tensor_lists_are_checked_when_composed(overrides, key):
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.cli import checks, flags
     from capibara_exp.cli.common import register_resolvers
-    from capibara_exp.errors import ConfigError
 
     register_resolvers()
     with pytest.raises(ConfigError, match=re.escape(key)):
@@ -127,16 +127,16 @@ def test_the_planner_searches_named_policies_and_bounds_what_they_save():
     """Searchable policies become candidates whose overrides clear the per-tensor lists
     (except `offload`, which reads the experiment's); the memory bound orders them by what
     they keep in HBM, and the layer inputs sent to the host leave it."""
-    from capibara_exp.tuning import memory, space
+    from capibara_exp.tuning import memory, mesh_space
 
     policies = ["none", "save_dot_except_mlp", "save_qkv_proj", "offload", "full"]
-    cands = space.candidates(8, 8, None, 16, remat_policies=policies)
+    cands = mesh_space.candidates(8, 8, None, 16, remat_policies=policies)
     assert {c.remat_policy for c in cands} == set(policies)
     by_policy = {c.remat_policy: c for c in cands if c.model == 2}
     assert "model.remat_save=[]" in by_policy["full"].overrides(moe=False)
     assert "model.remat_save=[]" not in by_policy["offload"].overrides(moe=False)
     with pytest.raises(ValueError, match="'custom'"):
-        space.candidates(8, 8, None, 16, remat_policies=["custom"])
+        mesh_space.candidates(8, 8, None, 16, remat_policies=["custom"])
     shapes = memory.Shapes(leaves=(), layers=4, emb_dim=256, num_heads=8, head_dim=32,
                            length=128, dtype_bytes=2, kv_heads=2, mlp_dim=1024, mlp_inputs=2)
     saved = {p: memory.saved_per_token(shapes, c) for p, c in by_policy.items()}

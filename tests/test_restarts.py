@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from tests.fakes import executable, fake_slice, launch_script
 
 # The worker's "python": each start appends a line; the n-th start does what FATES[n] says.

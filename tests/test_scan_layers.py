@@ -12,7 +12,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from capibara_exp.nets.decoder import Decoder, DecoderConfig
 from capibara_exp.nets.moe import MoeConfig, MoeDecoder
-from capibara_exp.runtime.moe import per_layer_metrics, unscan
+from capibara_exp.runtime.contrib_moe import per_layer_metrics, unscan
 
 CONFIG = DecoderConfig(vocab_size=64, emb_dim=32, num_heads=2, head_dim=16, num_layers=4,
                        mlp_dim=64)

@@ -1,11 +1,11 @@
 """The splash kernel's block size and fused backward as model options and as the planner's
-search dimensions (nets/splash.py, tuning/space.py)."""
+search dimensions (nets/splash.py, tuning/mesh_space.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from capibara_exp.tuning import space
+from capibara_exp.tuning import mesh_space
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_smaller_blocks_and_the_fused_backward_match_dot_attention(fused):
 
 
 def test_block_sizes_are_checked_where_they_are_set():
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.nets import DecoderConfig
     from capibara_exp.tuning import plan
     from tests.conftest import compose_config
@@ -41,7 +41,7 @@ def test_block_sizes_are_checked_where_they_are_set():
 
 
 def test_splash_candidates_try_each_block_and_backward_dot_ones_do_not():
-    cands = space.candidates(4, 4, None, 8, attentions=["dot", "splash"],
+    cands = mesh_space.candidates(4, 4, None, 8, attentions=["dot", "splash"],
                              splash_blocks=[512, 2048], splash_fused_bwd=[False, True])
     per_mesh = [c for c in cands if c.mesh == "4x1x1"]
     assert sorted((c.attention, c.splash_block, c.splash_fused_bwd) for c in per_mesh) == [

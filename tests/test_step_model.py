@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capibara_exp import meshes, topologies
-from capibara_exp.tuning import calibration, costs, estimate, hlo, profile, topology
+from capibara_exp.base import meshes, topologies
+from capibara_exp.tuning import calibration, costs, estimate, hlo, profile, tpu_slice
 from tests.conftest import needs_libtpu
 
 # A chip with round numbers: 100 FLOP/s, 10 B/s of HBM, links of 10 B/s each way, 5 B/s DCN.
@@ -24,8 +24,8 @@ NO_LATENCY = estimate.StepModel(collective_latency_s=0.0)
 
 
 def tpu_devices(name: str) -> list:
-    assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
-    return topology.devices(topologies.get(name))
+    assert tpu_slice.libtpu_installed(), tpu_slice.INSTALL_HINT  # installed by the test extra
+    return tpu_slice.devices(topologies.get(name))
 
 
 def collective(op: str, nbytes: float, group: int, axes: int = 1, slices: int = 1) -> dict:
@@ -190,7 +190,7 @@ def test_tpu_einsums_collectives_and_their_torus_axes():
 def test_splash_kernels_are_counted_from_their_shapes_and_blocks():
     from flax.linen import partitioning as nn_partitioning
 
-    from capibara_exp import logical_axes
+    from capibara_exp.base import logical_axes
     from capibara_exp.nets import splash
 
     devices = tpu_devices("v5e-4")
@@ -254,11 +254,11 @@ def test_two_slices_join_over_dcn_on_the_data_axis():
 @needs_libtpu
 def test_every_slice_in_the_table_is_one_libtpu_describes():
     for name, slice_ in topologies.SLICES.items():
-        devices = topology.devices(slice_)  # raises if the count differs
+        devices = tpu_slice.devices(slice_)  # raises if the count differs
         assert len(devices) == slice_.chips == slice_.chips_per_slice, name
         assert {d.device_kind for d in devices} == {slice_.chip.kind}, name
         assert slice_.chips <= 256 and slice_.hosts * slice_.chips_per_host == slice_.chips
-    assert len(topology.devices(topologies.get("2xv5e-256"))) == 512
+    assert len(tpu_slice.devices(topologies.get("2xv5e-256"))) == 512
     with pytest.raises(ValueError, match="unknown TPU slice 'v5e-3'"):
         topologies.get("v5e-3")
     sizes = {g: sorted(t.chips for t in topologies.SLICES.values() if t.generation == g)

@@ -17,12 +17,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli.common import register_resolvers
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import CONF_DIR
 from capibara_exp.sweeping import best as best_lib
-from capibara_exp.sweeping import space, study
+from capibara_exp.sweeping import search_space, study
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_FILES = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -73,12 +73,12 @@ def shipped_command(sweep_file: Path) -> list[str]:
     ],
 )
 def test_every_search_space_form(text: str, expected: od.BaseDistribution) -> None:
-    parsed = space.parse([text])
+    parsed = search_space.parse([text])
     assert parsed.distributions == {"a": expected} and parsed.fixed == ()
 
 
 def test_fixed_values_pass_through() -> None:
-    parsed = space.parse(["model.emb_dim=64", "b=interval(0, 1)"])
+    parsed = search_space.parse(["model.emb_dim=64", "b=interval(0, 1)"])
     assert parsed.fixed == ("model.emb_dim=64",) and set(parsed.distributions) == {"b"}
 
 
@@ -95,7 +95,7 @@ def test_a_fixed_command_line_value_wins_over_a_shipped_search(tmp_path: Path) -
         rates = [o for o in overrides if o.startswith("schedule.base_learning_rate=")]
         assert rates == ["schedule.base_learning_rate=0.01"], overrides
     # and the other way round: a search on the command line replaces a fixed value
-    assert set(space.parse(["a=1", "a=interval(0, 1)"]).distributions) == {"a"}
+    assert set(search_space.parse(["a=1", "a=interval(0, 1)"]).distributions) == {"a"}
 
 
 @pytest.mark.parametrize(
@@ -112,20 +112,21 @@ def test_a_fixed_command_line_value_wins_over_a_shipped_search(tmp_path: Path) -
 )
 def test_bad_search_spaces_are_errors(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        space.parse([text])
+        search_space.parse([text])
 
 
 def test_grid_needs_discrete_dimensions() -> None:
-    assert space.parse(["a=choice(x, y)", "b=range(1, 3)"]).grid() == {"a": ["x", "y"], "b": [1, 2]}
+    grid = search_space.parse(["a=choice(x, y)", "b=range(1, 3)"]).grid()
+    assert grid == {"a": ["x", "y"], "b": [1, 2]}
     with pytest.raises(ConfigError, match="grid sampler needs a discrete"):
-        space.parse(["a=interval(0, 1)"]).grid()
+        search_space.parse(["a=interval(0, 1)"]).grid()
 
 
 @pytest.mark.parametrize(
     "value, text", [("it's", "k='it\\'s'"), ("adam", "k=adam"), (0.5, "k=0.5")]
 )
 def test_sampled_values_become_hydra_overrides(value, text: str) -> None:
-    assert space.to_override("k", value) == text
+    assert search_space.to_override("k", value) == text
 
 
 # ----------------------------------------------------------------------------- the study loop
@@ -191,7 +192,7 @@ def test_extending_a_study_never_repeats_a_finished_trials_parameters(tmp_path: 
 def test_a_sweep_reports_each_trial_its_summary_and_a_no_op_rerun(tmp_path: Path) -> None:
     cfg = settings(n_trials=5, pruner="median", params={"x": "interval(0, 6)"},
                    storage=str(tmp_path / "study.journal"))
-    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"])).study
+    s = study.open_study(cfg, cfg.storage, search_space.parse(["x=interval(0, 6)"])).study
     for x in (0.3, 0.35, 5.0, 0.32, 6.0):  # two good, then a bad one the median pruner stops
         s.enqueue_trial({"x": x})
     lines: list[str] = []
@@ -231,7 +232,7 @@ def test_every_shipped_sweep_composes_to_keys_that_exist(sweep_file: Path) -> No
     cfg = yaml.safe_load(out.stdout)
     sweeper = cfg["hydra"]["sweeper"]
     assert sweeper["_target_"].endswith("CapibaraOptunaSweeper")
-    parsed = space.parse([f"{k}={v}" for k, v in sweeper["params"].items()])
+    parsed = search_space.parse([f"{k}={v}" for k, v in sweeper["params"].items()])
     assert parsed.distributions and not parsed.fixed
     for key in parsed.distributions:
         if key in cfg["hydra"]["runtime"]["choices"]:
@@ -308,7 +309,7 @@ def test_a_trial_of_a_killed_sweep_is_marked_failed_and_the_sweep_goes_on(tmp_pa
         check=True,
     )
     url = study.storage_url(None, tmp_path)
-    s = study.open_study(settings(), url, space.parse(["x=interval(0, 1)"])).study
+    s = study.open_study(settings(), url, search_space.parse(["x=interval(0, 1)"])).study
     orphan = s.ask({"x": od.FloatDistribution(0, 1)})
     orphan.set_user_attr("host", os.uname().nodename)
     orphan.set_user_attr("pid", int(dead.stdout))  # that process has exited
@@ -378,7 +379,7 @@ def test_a_dead_machines_trial_is_failed_while_a_job_runs_and_retried(tmp_path: 
     heartbeat stays fresh), and its retry runs next with its parameters."""
     cfg = settings(n_trials=2, heartbeat_interval=1, grace_period=2)
     url = study.storage_url(None, tmp_path)
-    x = space.parse(["x=interval(0, 1)"])
+    x = search_space.parse(["x=interval(0, 1)"])
     opened = study.open_study(cfg, url, x)
     dead = study._ask(opened, x)
     dead.set_user_attr("host", "another-machine")
@@ -462,7 +463,7 @@ def test_every_pruner_stops_bad_trials_which_keep_their_last_value(
                    params={"x": "interval(0, 6)"},
                    storage=str(tmp_path / "study.journal"))  # a file: quicker to open than SQLite
     xs = [0.3, 0.35, 2.0, 0.32, 3.0, 4.0, 5.0, 6.0]  # two good trials first, then mostly bad
-    s = study.open_study(cfg, cfg.storage, space.parse(["x=interval(0, 6)"])).study
+    s = study.open_study(cfg, cfg.storage, search_space.parse(["x=interval(0, 6)"])).study
     for x in xs:
         s.enqueue_trial({"x": x})
     s = study.run(cfg, curve_job, tmp_path)
@@ -673,7 +674,7 @@ def test_trials_in_one_process_replay_the_batches_a_new_pipeline_makes(data_dir:
     import seqio
 
     from capibara_exp.runtime import inputs
-    from capibara_exp.runtime.config import DatasetConfig
+    from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig("capibara_bytes_lm", {"targets": 32}, "train", 4, True, None,
                         pack=True, module="capibara_exp.data.tasks")
@@ -712,7 +713,7 @@ def test_a_retry_runs_in_its_trials_run_dir_and_resumes_there(tmp_path: Path) ->
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     url = study.storage_url(None, tmp_path)
-    x = space.parse(["x=interval(0, 1)"])
+    x = search_space.parse(["x=interval(0, 1)"])
     opened = study.open_study(settings(), url, x)
     kept_dir = tmp_path / "shared" / "0"
     kept_dir.mkdir(parents=True)
@@ -743,7 +744,7 @@ def test_a_preempted_trial_is_retried_not_failed(tmp_path: Path) -> None:
     the worker with 75 after its trial is failed as preempted and retried; the next run
     runs the retry first, and the preemption counts neither toward n_trials nor as a
     failure."""
-    from capibara_exp.errors import PREEMPTED_EXIT_CODE, Preempted
+    from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, Preempted
 
     def preempted_once(overrides, number):
         if number == 1:

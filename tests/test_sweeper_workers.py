@@ -18,7 +18,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
 from capibara_exp.sweeping import study, workers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from capibara_exp import experiment
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.runtime import actions, checkpoints, gin_utils, resume
-from capibara_exp.runtime.config import (
-    DatasetConfig,
-    RestoreCheckpointConfig,
-    SaveCheckpointConfig,
-)
 from capibara_exp.runtime.metrics import Progress
 from capibara_exp.runtime.resume import NoVerifiedCheckpoint
 from capibara_exp.runtime.train_script import TrainingDiverged
 from capibara_exp.runtime.trainer import BaseAction
+from capibara_exp.runtime.utils import (
+    DatasetConfig,
+    RestoreCheckpointConfig,
+    SaveCheckpointConfig,
+)
 from tests.conftest import compose_config
 
 TINY = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp_dim=64",

@@ -10,7 +10,7 @@ import pytest
 import seqio
 
 from capibara_exp.nets import Decoder, DecoderConfig
-from capibara_exp.runtime import config, models, optimizers, partitioning
+from capibara_exp.runtime import models, optimizers, partitioning, utils
 from capibara_exp.runtime.state import initial_state
 from capibara_exp.runtime.trainer import Trainer
 
@@ -23,7 +23,7 @@ def make_model() -> models.DecoderOnlyModel:
     net = Decoder(DecoderConfig(vocab_size=64, emb_dim=32, num_heads=2, head_dim=16,
                                 num_layers=2, mlp_dim=48))
     tx = optimizers.chain([optax.clip_by_global_norm(1e3),
-                           optax.sgd(config.create_learning_rate_scheduler(
+                           optax.sgd(utils.create_learning_rate_scheduler(
                                factors="constant", base_learning_rate=1e-3))])
     return models.DecoderOnlyModel(net, seqio.ByteVocabulary(), tx, z_loss=1e-4)
 
@@ -43,7 +43,7 @@ def trainer_and_state(model, num_microbatches):
     trainer = Trainer(model=model, train_state=state, partitioner=partitioning.PjitPartitioner(),
                       eval_names=[], summary_dir=None, train_state_axes=axes,
                       rng=jax.random.PRNGKey(1), num_microbatches=num_microbatches,
-                      learning_rate_fn=config.create_learning_rate_scheduler())
+                      learning_rate_fn=utils.create_learning_rate_scheduler())
     return trainer, jax.device_put(state, trainer.state_shardings)
 
 

@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from capibara_exp import topologies
-from capibara_exp.tuning import search, space, topology
+from capibara_exp.base import topologies
+from capibara_exp.tuning import mesh_space, search, tpu_slice
 from tests.conftest import needs_libtpu
 
 
 def memory_bounds(overrides: list[str], devices: list, cands: list) -> dict:
     """tuning/memory.py's lower bound of each candidate of the composed experiment."""
     import gin
-    from capibara_exp.tuning import aot, evaluate, memory
+    from capibara_exp.tuning import aot, evaluator, memory
     from tests.conftest import compose_config
 
     cfg = compose_config(overrides)
@@ -29,16 +29,16 @@ def memory_bounds(overrides: list[str], devices: list, cands: list) -> dict:
     finally:
         gin.clear_config(clear_constants=True)
     moe = "num_experts" in cfg.model
-    return {c: memory.lower_bound(shapes, c, evaluate.rules_for(c, moe)) for c in cands}
+    return {c: memory.lower_bound(shapes, c, evaluator.rules_for(c, moe)) for c in cands}
 
 
 def tpu_devices(name: str = "v5e-4") -> list:
-    assert topology.libtpu_installed(), topology.INSTALL_HINT  # installed by the test extra
-    return topology.devices(topologies.get(name))
+    assert tpu_slice.libtpu_installed(), tpu_slice.INSTALL_HINT  # installed by the test extra
+    return tpu_slice.devices(topologies.get(name))
 
 
 def test_candidates_divide_the_chips_heads_experts_and_batch():
-    cands = space.candidates(64, num_heads=16, num_experts=32, batch_size=256,
+    cands = mesh_space.candidates(64, num_heads=16, num_experts=32, batch_size=256,
                              num_microbatches=[1, 4], remat_policies=["dots"], fsdp=[False, True])
     assert cands and len(set(cands)) == len(cands)
     for c in cands:
@@ -47,14 +47,14 @@ def test_candidates_divide_the_chips_heads_experts_and_batch():
         assert (256 // c.num_microbatches) % (c.data * c.expert) == 0
         assert not (c.fsdp and c.data == 1)
     assert {c.mesh for c in cands} >= {"2x32x1", "64x1x1", "8x8x1", "4x8x2"}
-    dense = space.candidates(8, num_heads=4, num_experts=None, batch_size=16)
+    dense = mesh_space.candidates(8, num_heads=4, num_experts=None, batch_size=16)
     assert {c.mesh for c in dense} == {"8x1x1", "4x1x2", "2x1x4"}  # 8 model partitions: 4 heads
     with pytest.raises(ValueError, match="tune_mesh.remat_policies: 'some'"):
-        space.candidates(8, 4, None, 16, remat_policies=["some"])
+        mesh_space.candidates(8, 4, None, 16, remat_policies=["some"])
 
 
 def test_attention_is_searched_where_the_model_can_take_splash():
-    from capibara_exp.errors import ConfigError
+    from capibara_exp.base.errors import ConfigError
     from capibara_exp.tuning import plan
     from tests.conftest import compose_config
 
@@ -72,8 +72,8 @@ def test_attention_is_searched_where_the_model_can_take_splash():
         attentions("tune_mesh.attentions=[splash]")
     with pytest.raises(ConfigError, match="'flash' is not one of"):
         attentions(*rope, "tune_mesh.attentions=[flash]")
-    both = space.candidates(8, 4, None, 16, attentions=["dot", "splash"])
-    assert len(both) == 2 * len(space.candidates(8, 4, None, 16))
+    both = mesh_space.candidates(8, 4, None, 16, attentions=["dot", "splash"])
+    assert len(both) == 2 * len(mesh_space.candidates(8, 4, None, 16))
     assert {c.attention for c in both} == {"dot", "splash"}
     assert "model.attention=splash" in both[-1].overrides(moe=False)
 
@@ -92,9 +92,9 @@ def _table(cands):
 def test_search_finds_the_optimum_and_resumes(tmp_path):
     import optuna
 
-    from capibara_exp.tuning import evaluate as evaluate_module
+    from capibara_exp.tuning import evaluator as evaluate_module
 
-    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+    cands = mesh_space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
                              num_microbatches=[1, 2], remat_policies=["none", "full"],
                              fsdp=[False, True])
     table = _table(cands)
@@ -142,11 +142,11 @@ def test_a_stopped_planners_running_trial_is_failed_and_the_search_goes_on(tmp_p
     from omegaconf import OmegaConf
     from optuna.trial import TrialState
 
-    from capibara_exp import optuna_study
-    from capibara_exp.tuning import evaluate as evaluate_module
+    from capibara_exp.base import optuna_study
+    from capibara_exp.tuning import evaluator as evaluate_module
     from capibara_exp.tuning import plan
 
-    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+    cands = mesh_space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
                              num_microbatches=[1, 2], remat_policies=["none", "full"],
                              fsdp=[False, True])
     table = _table(cands)
@@ -178,7 +178,7 @@ def test_a_pooled_search_compiles_each_candidate_once(tmp_path):
 
     import optuna
 
-    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+    cands = mesh_space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
                              num_microbatches=[1, 2], remat_policies=["none", "full"],
                              fsdp=[False, True])
     table = _table(cands)
@@ -206,9 +206,9 @@ def test_a_search_starts_no_compile_after_its_budget(tmp_path, monkeypatch):
     third starts at 20 s), exhaustive and TPE alike; cached results are still returned."""
     import optuna
 
-    from capibara_exp.tuning import evaluate as evaluate_module
+    from capibara_exp.tuning import evaluator as evaluate_module
 
-    cands = space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
+    cands = mesh_space.candidates(8, num_heads=4, num_experts=None, batch_size=16,
                              num_microbatches=[1, 2], remat_policies=["none", "full"],
                              fsdp=[False, True])
     table, clock, compiled = _table(cands), [0.0], []
@@ -234,7 +234,7 @@ def test_a_search_starts_no_compile_after_its_budget(tmp_path, monkeypatch):
 
 @needs_libtpu
 def test_tune_mesh_writes_report_and_a_partitioning_entry_that_runs(tmp_path):
-    assert topology.libtpu_installed(), topology.INSTALL_HINT
+    assert tpu_slice.libtpu_installed(), tpu_slice.INSTALL_HINT
     conf = tmp_path / "conf"
     out = subprocess.run(
         [sys.executable, "-m", "capibara_exp.cli.tune_mesh", "topology=v5e-4",

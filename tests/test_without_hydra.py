@@ -11,7 +11,7 @@ from omegaconf.errors import ConfigAttributeError
 
 from capibara_exp.cli import checks
 from capibara_exp.cli import compose as composing
-from capibara_exp.resolvers import register_resolvers
+from capibara_exp.composing.resolvers import register_resolvers
 
 
 def test_it_is_the_config_but_hydra_its_own_copy_with_its_flags(

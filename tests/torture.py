@@ -190,7 +190,7 @@ def flip_trial(root: Path, reference: Path, rng: random.Random, tally: Tally, i:
 def nan_trial(root: Path, kind: str, tally: Tally) -> None:
     """Params turn NaN at a step that saves (periodic, extra, final, preemption, stop): the
     save is refused, the error names the newest finite checkpoint, none is non-finite."""
-    from capibara_exp.errors import TrainingDiverged
+    from capibara_exp.base.errors import TrainingDiverged
 
     run, poison_at = root / f"nan_{kind}", {"periodic": 4, "extra": 5, "final": 8,
                                             "preemption": 5, "stop": 3, "fresh": 2}[kind]
@@ -240,7 +240,7 @@ def _poisoned(gin: Path, step: int, kind: str) -> dict:
 def guard_trial(root: Path, tally: Tally) -> None:
     """nan_guard=skip with a limit of 2 and reports only at the end: the guard stops at the
     step the limit is reached, and nothing after it is saved."""
-    from capibara_exp.errors import TrainingDiverged
+    from capibara_exp.base.errors import TrainingDiverged
 
     run = root / "guard"
     gin = render(run, "nan_guard=skip", "nan_guard.max_consecutive_skips=2",
@@ -259,7 +259,7 @@ def sigterm_trial(root: Path, reference: Path, rng: random.Random, tally: Tally,
                   sig: int = signal.SIGTERM) -> None:
     """SIGTERM while training: exit 75 after saving the step in progress, which equals the
     reference's; no finished step is lost; resuming ends bitwise on the reference."""
-    from capibara_exp.errors import PREEMPTED_EXIT_CODE
+    from capibara_exp.base.errors import PREEMPTED_EXIT_CODE
 
     run = root / f"sigterm{i}"
     gin = render(run, "checkpoint.checkpoint_period=4")

@@ -77,10 +77,10 @@ def _merge_here(args: list[str]) -> tuple[int, str]:
     its error handling."""
     from hydra import compose, initialize_config_dir
 
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import checked_argv, user_errors
     from capibara_exp.consensus import command
     from capibara_exp.consensus.gate import ConsensusError
-    from capibara_exp.paths import CONF_DIR
 
     err = io.StringIO()
     try:

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from capibara_exp import config_check, config_schema, environment
+from capibara_exp.base import environment
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
 from capibara_exp.cli import compose as composing
 from capibara_exp.cli.flags import CommandLine
-from capibara_exp.config_check import Composition
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import GIN_DIR
+from capibara_exp.composing import config_check, config_schema
+from capibara_exp.composing.config_check import Composition
 
 # gin (gin_bridge, gin_flags), the sweep's and the cross-key rules load where they are used:
 # a command line refused while composing (a key typo) never needs them
@@ -29,7 +30,7 @@ def compose_checked(line: CommandLine, config_name: str,
     gin flags appended to the lists they extend)."""
     overrides = [*line.overrides, *extra]
     if line.has_gin_flags:
-        from capibara_exp.overrides import override
+        from capibara_exp.base.overrides import override
 
         first = composing.compose(config_name, overrides, line.config_dirs, line.multirun)
         overrides = [o for o in overrides if o.lstrip("+~").split("=")[0] not in GIN_LIST_KEYS]
@@ -76,8 +77,8 @@ def check_run(comp: Composition, line: CommandLine,
         tpu_vm.check(cfg)
     else:
         cfg = _bind_model_dir(cfg, str(Path(comp.cfg.hydra.run.dir).absolute()))
-    from capibara_exp import gin_bridge
     from capibara_exp.cli import gin_flags
+    from capibara_exp.composing import gin_bridge
 
     text = gin_bridge.render(cfg, "local", GIN_DIR, sources(comp))
     gin_flags.check(comp, cfg, text, line.gin_flags)
@@ -88,7 +89,7 @@ def check_run(comp: Composition, line: CommandLine,
 
     os.environ[experiment.DATA_DIR_ENV] = str(cfg.data_dir)
     experiment.prepare_data(cfg)  # before JAX loads: the build forks
-    from capibara_exp import phases
+    from capibara_exp.base import phases
 
     with phases.phase("importing TensorFlow, JAX and SeqIO to check config.gin"):
         environment.import_tensorflow(bool(cfg.get("verbose")))
@@ -132,16 +133,16 @@ def check_sweep(comp: Composition) -> None:
     params = hydra.sweeper.get("params")
     params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
     task = list(hydra.overrides.task)
-    from capibara_exp.sweeping import space, study
+    from capibara_exp.sweeping import search_space, study
 
     settings = {k: v for k, v in OmegaConf.to_container(hydra.sweeper, resolve=True).items()
                 if k != "_target_"}
     study.SweepSettings(**settings)
-    searched = space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
+    searched = search_space.parse([*(f"{k}={v}" for k, v in params.items()), *task])
     if not searched.distributions:
         raise ConfigError("hydra.sweeper.params and the command line define no search "
                           "dimension (use choice(...), range(...), interval(...))")
-    from capibara_exp import optuna_study
+    from capibara_exp.base import optuna_study
 
     sampler, names = settings.get("sampler"), optuna_study.SAMPLER_NAMES
     if sampler not in names:
@@ -151,7 +152,7 @@ def check_sweep(comp: Composition) -> None:
         for value in _sweep_values(dist):
             _check_swept(comp, key, value)
     metric, ks = settings.get("metric"), OmegaConf.select(comp.cfg, "infer_eval.infer_eval_pass_ks")
-    from capibara_exp import cross_rules
+    from capibara_exp.composing import cross_rules
 
     problem = cross_rules.unreported_pass_at_k(
         metric, OmegaConf.to_container(ks) if ks is not None else None)

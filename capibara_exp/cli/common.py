@@ -9,13 +9,13 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from capibara_exp import environment
+from capibara_exp.base import environment
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.cli import flags
-from capibara_exp.errors import ConfigError
-from capibara_exp.resolvers import register_resolvers
+from capibara_exp.composing.resolvers import register_resolvers
 
 if TYPE_CHECKING:
-    from capibara_exp.config_check import Composition
+    from capibara_exp.composing.config_check import Composition
 
 USER_ERROR = 2
 RUN_FAILED = 1

@@ -26,17 +26,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import CONF_DIR, SWEEPS_ROOT
+from capibara_exp.base.private_apis import libyaml_for_omegaconf
 from capibara_exp.cli import compose_cache, compose_rest, parsed_cache
-from capibara_exp.config_check import (
+from capibara_exp.composing.config_check import (
     COMMAND_LINE,
     Composition,
     did_you_mean,
     flatten,
     group_dirs,
 )
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import CONF_DIR, SWEEPS_ROOT
-from capibara_exp.private_apis import libyaml_for_omegaconf
 
 
 def search_dirs(extra: list[Path]) -> list[Path]:

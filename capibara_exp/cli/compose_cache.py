@@ -26,11 +26,11 @@ import pickle
 import sys
 from pathlib import Path
 
-from capibara_exp.resolvers import user_cache_dir
+from capibara_exp.composing.resolvers import user_cache_dir
 
 KEEP = 64  # entries kept (the newest): each is some 25 KB
-_CODE = ("resolvers.py", "private_apis.py", "cli/compose.py", "cli/compose_cache.py",
-         "cli/compose_rest.py")
+_CODE = ("composing/resolvers.py", "base/private_apis.py", "cli/compose.py",
+         "cli/compose_cache.py", "cli/compose_rest.py")
 
 
 def enabled() -> bool:
@@ -89,7 +89,7 @@ def _group_paths(root: Path, prefix: str = "") -> list[str]:
 def _is_conf_tree(root: Path) -> bool:
     # the shipped conf/ and --config-dir trees are all configs; the sweeps' root (a
     # checkout's top or the installed package) only has configs one level down
-    from capibara_exp.paths import SWEEPS_ROOT
+    from capibara_exp.base.paths import SWEEPS_ROOT
 
     return root != SWEEPS_ROOT
 

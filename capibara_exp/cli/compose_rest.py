@@ -26,8 +26,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType, ValueType
 from omegaconf import DictConfig, OmegaConf
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.cli import compose_cache
-from capibara_exp.errors import ConfigError
 
 
 def from_kept_rest(config_name: str, given: list[str], dirs: list[Path], inputs: str,
@@ -50,7 +50,7 @@ def from_kept_rest(config_name: str, given: list[str], dirs: list[Path], inputs:
                                                 dirs, False, inputs))
     if kept is None:
         return None
-    from capibara_exp import private_apis
+    from capibara_exp.base import private_apis
 
     for override in plain:  # in order, as Hydra applies them: its first refusal stands
         try:
@@ -87,7 +87,7 @@ def _has_key(cfg: DictConfig, dotted: str) -> bool | None:
 
 def _recorded(cfg: DictConfig, parsed: list) -> DictConfig:
     """Hydra's records of the whole line, in its order (the kept config has the rest's)."""
-    from capibara_exp import private_apis
+    from capibara_exp.base import private_apis
 
     app = [o for o in parsed if not o.is_hydra_override()]
     job = cfg.hydra.job

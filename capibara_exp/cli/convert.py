@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-from capibara_exp import environment, phases
+from capibara_exp.base import environment, model_facts, phases
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import fail, user_errors
 from capibara_exp.cli.shell import console
@@ -74,8 +74,8 @@ def _typed(keys: dict[str, str]) -> dict:
                 fail(PROG, f"{key}={keys[key]}: expected a number")
             if out[key] <= 0:
                 fail(PROG, f"{key}={keys[key]}: must be positive")
-    if keys.get("dtype") not in (None, "float32", "bfloat16"):
-        fail(PROG, f"dtype={keys['dtype']}: expected float32 or bfloat16")
+    if keys.get("dtype") not in (None, *model_facts.DTYPES):
+        fail(PROG, f"dtype={keys['dtype']}: expected {' or '.join(model_facts.DTYPES)}")
     return out
 
 

@@ -13,23 +13,19 @@ from __future__ import annotations
 import json
 import sys
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import run_lock
-from capibara_exp.cli import guards
-from capibara_exp.cli.common import checked_argv, user_errors
-from capibara_exp.cli.shell import console, job
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.base import run_lock
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.cli import app, guards
+from capibara_exp.cli.common import user_errors
+from capibara_exp.cli.shell import console
 
 PROG = "capibara-exp-data"
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="data_build", version_base="1.3")
-@job
-def _app(cfg: DictConfig) -> None:
-    from capibara_exp import phases
+def _build(cfg: DictConfig) -> None:
+    from capibara_exp.base import phases
 
     with phases.importing("the data build (the E2B SDK)"):
         from capibara_exp.data.e2b import build
@@ -60,18 +56,13 @@ def check_paths(cfg: DictConfig) -> None:
                               "inputs are read-only, so keep them elsewhere")
 
 
+_app = app.hydra_app("data_build", _build)
+
+
 @console(PROG)
 def main(argv: list[str] | None = None) -> None:
-    line, comp, hydra_argv = checked_argv(PROG, "data_build",
-                                          sys.argv[1:] if argv is None else argv)
-    if comp is not None and not line.shows_config:
-        with user_errors(PROG, prefix="configuration error: "):
-            check_paths(comp.cfg)
-        from capibara_exp import phases
-
-        phases.starting(PROG)  # before the build's imports (TensorFlow, SeqIO)
-    sys.argv = [sys.argv[0], *hydra_argv]
-    _app()
+    app.run(PROG, "data_build", sys.argv[1:] if argv is None else argv, lambda: _app(),
+            check=check_paths)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 # Hydra's flags: those taking a value, those taking none, and those that only inform
 # (no config is checked for them).

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import sys
 
-from capibara_exp import environment, phases
+from capibara_exp.base import environment, phases
+from capibara_exp.base.errors import Preempted
 from capibara_exp.cli.common import fail, user_errors
 from capibara_exp.cli.shell import console
-from capibara_exp.errors import Preempted
 
 PROG = "capibara-exp-generate"
 REQUIRED = ("checkpoint", "out")

@@ -11,9 +11,9 @@ import re
 
 from omegaconf import DictConfig
 
-from capibara_exp import config_schema, gin_bridge
-from capibara_exp.config_check import Composition, did_you_mean
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.composing import config_schema, gin_bridge
+from capibara_exp.composing.config_check import Composition, did_you_mean
 
 _MACRO = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=(.*)$", re.S)
 _DEFINED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=", re.M)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 NAME_MAX = 255
 PATH_MAX = 4096

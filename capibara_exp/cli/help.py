@@ -17,10 +17,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from capibara_exp.base.paths import SWEEPS_ROOT
 from capibara_exp.cli import compose as composing
 from capibara_exp.cli.flags import CommandLine
-from capibara_exp.config_check import group_dirs
-from capibara_exp.paths import SWEEPS_ROOT
+from capibara_exp.composing.config_check import group_dirs
 
 HELP_FLAGS = ("--help", "-h")
 

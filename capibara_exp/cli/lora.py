@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from capibara_exp import environment, phases
+from capibara_exp.base import environment, phases
 from capibara_exp.cli import guards
 from capibara_exp.cli.common import fail, user_errors
 from capibara_exp.cli.shell import console

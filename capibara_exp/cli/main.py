@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
             # before the rest of the checks import TensorFlow, JAX and SeqIO. A mistake
             # found before it stays one line.
             if not line.shows_config:
-                from capibara_exp import phases
+                from capibara_exp.base import phases
 
                 sweep = " (a sweep)" if line.multirun else ""
                 phases.starting(PROG, f" (engine={comp.cfg.engine.name}){sweep}")
@@ -92,7 +92,7 @@ def check_paths(comp, line) -> None:
     can read (or make)."""
     if not _writes_here(comp, line):
         return
-    from capibara_exp import run_lock
+    from capibara_exp.base import run_lock
     from capibara_exp.cli import guards
     from capibara_exp.cli.common import user_errors
 
@@ -108,7 +108,7 @@ def hold_run_dir(comp, line) -> None:
     """The run dir, locked for this process, before Hydra writes its first file there."""
     if not (_writes_here(comp, line) and _locks(comp)):
         return
-    from capibara_exp import run_lock
+    from capibara_exp.base import run_lock
     from capibara_exp.cli.common import user_errors
 
     run_dir = comp.cfg.get("model_dir") or comp.cfg.hydra.run.dir
@@ -122,7 +122,7 @@ def _app() -> None:
     """Hydra's app around `_run`, built here so that importing this module imports nothing."""
     import hydra
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(job(_run))()
 
@@ -132,8 +132,8 @@ def _run(cfg):
     from hydra.types import RunMode
 
     from capibara_exp import experiment  # heavy imports start here
+    from capibara_exp.base.errors import ConfigError, RunError
     from capibara_exp.cli.common import fail, run_failed
-    from capibara_exp.errors import ConfigError, RunError
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import sys
 
-import hydra
 from omegaconf import DictConfig
 
-from capibara_exp import environment, phases
-from capibara_exp.cli import guards
-from capibara_exp.cli.common import checked_argv, user_errors
-from capibara_exp.cli.shell import console, job
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.cli import app, guards
+from capibara_exp.cli.common import user_errors
+from capibara_exp.cli.shell import console
 
 PROG = "capibara-exp-merge"
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="merge", version_base="1.3")
-@job
-def _app(cfg: DictConfig) -> None:
+def _merge(cfg: DictConfig) -> None:
     from capibara_exp.consensus import command
     from capibara_exp.consensus.gate import ConsensusError
 
@@ -44,24 +39,19 @@ def check_paths(cfg: DictConfig) -> None:
     guards.new_output("out", cfg.out, inputs)
 
 
-@console(PROG)
-def main(argv: list[str] | None = None) -> None:
-    line, comp, hydra_argv = checked_argv(PROG, "merge", sys.argv[1:] if argv is None else argv)
-    if comp is not None and not line.shows_config:
-        with user_errors(PROG, prefix="configuration error: "):
-            check_paths(comp.cfg)
-    if comp is not None and not line.shows_config:  # a merge, not --help or --cfg:
-        phases.starting(PROG)  # TensorFlow (seqio's) without its notices
-        with phases.importing("TensorFlow"):
-            environment.import_tensorflow()
-    sys.argv = [sys.argv[0], *hydra_argv]
-    if comp is None or line.shows_config:
-        _app()
-        return
+_app = app.hydra_app("merge", _merge)
+
+
+def _undone_if_refused(cfg: DictConfig):
     # a merge that failed (a full disk: exit 1) or was stopped (75) leaves no half-written
     # checkpoint in its out dir either: nothing there is of use, and out must be new or empty
-    with guards.undone_if_refused(comp.cfg.out, codes=(1, 2, 75)):
-        _app()
+    return guards.undone_if_refused(cfg.out, codes=(1, 2, 75))
+
+
+@console(PROG)
+def main(argv: list[str] | None = None) -> None:
+    app.run(PROG, "merge", sys.argv[1:] if argv is None else argv, lambda: _app(),
+            check=check_paths, tensorflow=True, around=_undone_if_refused)
 
 
 if __name__ == "__main__":

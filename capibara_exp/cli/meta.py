@@ -1,5 +1,5 @@
 """Console script `capibara-exp-meta`: compose conf/meta.yaml and run meta-consensus
-(capibara_exp/meta_consensus.py): members composed and checked as `capibara-exp` would,
+(capibara_exp/consensus/meta_consensus.py): members composed and checked as `capibara-exp` would,
 then trained in this process, gated, merged and evaluated."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ import sys
 
 from omegaconf import DictConfig
 
+from capibara_exp.base.errors import ConfigError, RunError
 from capibara_exp.cli import checks, guards
 from capibara_exp.cli import compose as composing
 from capibara_exp.cli.common import checked_argv, run_failed, user_errors
 from capibara_exp.cli.shell import console, job
-from capibara_exp.errors import ConfigError, RunError
 
 PROG = "capibara-exp-meta"
 
 
 def compose_member(overrides: list[str]) -> tuple[DictConfig, dict]:
     """One member's config as `capibara-exp <overrides>` composes and checks it."""
-    from capibara_exp import config_check
-    from capibara_exp.resolvers import register_resolvers
+    from capibara_exp.composing import config_check
+    from capibara_exp.composing.resolvers import register_resolvers
 
     register_resolvers()
     comp = composing.compose("config", overrides, [])
@@ -37,11 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     with user_errors(PROG, prefix="configuration error: "):
         guards.writable_dir("out", comp.cfg.out)
-    from capibara_exp import phases
+    from capibara_exp.base import phases
 
     phases.starting(PROG)
     with phases.importing():
-        from capibara_exp import experiment, meta_consensus
+        from capibara_exp import experiment
+        from capibara_exp.consensus import meta_consensus
     from capibara_exp.consensus.gate import ConsensusError
 
     def train(cfg: DictConfig, run_dir, choices: dict) -> None:
@@ -63,7 +64,7 @@ def _app() -> None:
     job: it never reaches `_not_a_job`)."""
     import hydra
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     hydra.main(config_path=str(CONF_DIR), config_name="meta",
                version_base="1.3")(job(_not_a_job))()

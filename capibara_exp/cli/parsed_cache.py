@@ -7,7 +7,7 @@ runs (the project's own compositions: cli/compose.py), OmegaConf.load returns th
 kept for the bytes it is given, or reads them as always and keeps the result. An entry is
 keyed by the file's bytes and by what turns them into a config: the versions of Python,
 OmegaConf and PyYAML, libyaml's presence and the loader capibara-exp gives OmegaConf
-(private_apis.py). An edited file is new bytes: read afresh, and only it. A file that does
+(base/private_apis.py). An edited file is new bytes: read afresh, and only it. A file that does
 not load (malformed YAML, a bad interpolation) is never kept: it fails as it always does.
 What a command read is written only once its composition passed its checks (`keep`, from
 compose.keep): a refused command leaves nothing. CAPIBARA_COMPOSE_CACHE=0 turns it off with
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from capibara_exp.cli import compose_cache
-from capibara_exp.resolvers import user_cache_dir
+from capibara_exp.composing.resolvers import user_cache_dir
 
 KEEP = 512  # entries kept (the newest): each is a few KB
 _read_here: dict[str, bytes] = {}  # what this process read afresh, for `keep`
@@ -83,7 +83,7 @@ def _maker() -> bytes:
     import omegaconf
     import yaml
 
-    loader = Path(__file__).resolve().parents[1] / "private_apis.py"
+    loader = Path(__file__).resolve().parents[1] / "base" / "private_apis.py"
     parts = (sys.version, omegaconf.__version__, yaml.__version__,
              str(getattr(yaml, "__with_libyaml__", False)),
              hashlib.sha256(loader.read_bytes()).hexdigest())

@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None) -> None:
             fail(PROG, f"--out {out}: exists; --overwrite replaces it")
         if not (run_dir / "metrics.jsonl").is_file():  # (plots.render says so too, later)
             fail(PROG, f"no metrics.jsonl in {run_dir}")
-    from capibara_exp import phases, plots
+    from capibara_exp.base import phases
+    from capibara_exp.cli import run_curves
 
     phases.starting(PROG)  # before matplotlib loads (plots.render imports it)
     with user_errors(PROG), phases.phase("drawing the curves (matplotlib)"):
-        print(plots.render(run_dir, out))
+        print(run_curves.render(run_dir, out))
 
 
 def _inside(path: Path, directory: Path) -> bool:

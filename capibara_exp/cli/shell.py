@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from capibara_exp.errors import (
+from capibara_exp.base.errors import (
     ENVIRONMENT_ERRNOS,
     PREEMPTED_EXIT_CODE,
     ConfigError,

@@ -6,20 +6,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, open_dict
 
-from capibara_exp import environment, phases
-from capibara_exp.cli.common import checked_argv, fail, user_errors
-from capibara_exp.cli.shell import console, job
-from capibara_exp.paths import CONF_DIR
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.cli import app
+from capibara_exp.cli.common import user_errors
+from capibara_exp.cli.shell import console
 
 PROG = "capibara-exp-tune-mesh"
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-@job
-def _app(cfg: DictConfig) -> dict:
+def _plan(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
     from capibara_exp.tuning import plan
@@ -35,6 +32,16 @@ def _app(cfg: DictConfig) -> dict:
 
 
 SETTINGS = "tune_mesh"
+_app = app.hydra_app("config", _plan)
+
+
+def check_libtpu(cfg: DictConfig) -> None:
+    """A TPU topology needs libtpu: refused before Hydra makes the study's dir."""
+    if cfg.topology != "cpu":
+        from capibara_exp.tuning import tpu_slice
+
+        if not tpu_slice.libtpu_installed():
+            raise ConfigError(f"topology={cfg.topology}: {tpu_slice.INSTALL_HINT}")
 
 
 @console(PROG)
@@ -43,20 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     # The experiment composes as for capibara-exp; the planner's settings join it as a group.
     if not any(arg.lstrip("+").startswith(f"{SETTINGS}=") for arg in argv):
         argv.append(f"+{SETTINGS}=default")
-    line, comp, hydra_argv = checked_argv(PROG, "config", argv)
-    runs = comp is not None and not line.shows_config  # a run, not --help or --cfg
-    if runs:  # TensorFlow (seqio's) without its notices
-        phases.starting(PROG)
-        with phases.importing("TensorFlow"):
-            environment.import_tensorflow(bool(comp.cfg.get("verbose")))
-    if runs and comp.cfg.topology != "cpu":
-        from capibara_exp.tuning import topology
-
-        if not topology.libtpu_installed():  # before Hydra makes the study's dir
-            fail(PROG, f"configuration error: topology={comp.cfg.topology}: "
-                       f"{topology.INSTALL_HINT}")
-    sys.argv = [sys.argv[0], *hydra_argv]
-    _app()
+    app.run(PROG, "config", argv, lambda: _app(), tensorflow=True, started=check_libtpu)
 
 
 if __name__ == "__main__":

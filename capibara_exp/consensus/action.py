@@ -77,11 +77,11 @@ class ConsensusMerge(ChecksumCheckpoints):
                  min_pass_fraction: float = 0.5, max_val_loss: float | None = None,
                  max_val_loss_ratio: float | None = 1.5, require_manifest: bool = True,
                  use_ema: bool = True):
-        """`merge_params`: the method's parameters by name (consensus/registry.py's MergeSpec,
+        """`merge_params`: the method's parameters by name (composing/merge_methods.py's MergeSpec,
         e.g. {'num_byzantine': 1}); an unknown name or a bad value is an error here, before
         training starts."""
+        from capibara_exp.composing.merge_methods import spec_from
         from capibara_exp.consensus.gate import GateConfig
-        from capibara_exp.consensus.registry import spec_from
 
         super().__init__(model_dir)
         if isinstance(last_k, bool) or not isinstance(last_k, int) or last_k < 1:
@@ -111,9 +111,9 @@ class ConsensusMerge(ChecksumCheckpoints):
         if self.fired_at is not None or step < self.total_steps:
             return False
         self.fired_at = step
-        from capibara_exp.consensus import report, store
-        from capibara_exp.consensus.evaluate import held_out
+        from capibara_exp.consensus import merge_report, store
         from capibara_exp.consensus.merge import merge
+        from capibara_exp.consensus.validation import held_out
 
         evaluator = report_evaluator = None
         if self.model is not None and self.eval_dataset_cfg is not None:
@@ -122,7 +122,7 @@ class ConsensusMerge(ChecksumCheckpoints):
         candidates = store.last_k(self.model_dir, self.last_k, self.use_ema)
         self.report = merge(candidates, self.spec, self.model_dir / MERGED_SUBDIR, evaluator,
                             self.gate, report_evaluator=report_evaluator)
-        for line in report.warning_lines(self.report):
+        for line in merge_report.warning_lines(self.report):
             print(f"capibara-exp consensus merge: {line}", file=sys.stderr)
         if self.events is not None:
             self.events.emit("merge", report=self.report)

@@ -13,13 +13,12 @@ and FedAvg skip the check.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from capibara_exp.consensus.gate import ConsensusError, GateConfig
-from capibara_exp.consensus.registry import METHODS, MergeSpec
+from capibara_exp.composing.merge_methods import METHODS, MergeSpec
+from capibara_exp.consensus.gate import ConsensusError, GateConfig, Spread
 from capibara_exp.consensus.store import Candidate
 from capibara_exp.runtime import lineage
 
@@ -30,15 +29,6 @@ ADVICE = ("a soup averages fine-tunes of one model; for replicas that may be any
 
 class UnrelatedCandidates(ConsensusError):
     """The candidates of a soup share no ancestor."""
-
-
-@dataclasses.dataclass
-class Spread:
-    """Pairwise squared distances and squared norms of the candidates' parameters,
-    accumulated leaf by leaf on the merge's own read."""
-
-    gram: np.ndarray      # centred Gram matrix (methods.gram_update)
-    norm_sq: np.ndarray
 
 
 def needed(spec: MergeSpec, cfg: GateConfig) -> bool:

@@ -27,7 +27,7 @@ def soup_sweep(sweep_dir: str | Path, method: str = "greedy_soup", num_byzantine
                require_manifest: bool = True, report_batches: int | None = None,
                use_ema: bool = True) -> dict:
     """Merge the latest checkpoint of every trial of a sweep dir; returns the merge report."""
-    from capibara_exp.consensus import evaluate, run, store
+    from capibara_exp.consensus import run, store, validation
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import MergeSpec, merge
 
@@ -37,7 +37,7 @@ def soup_sweep(sweep_dir: str | Path, method: str = "greedy_soup", num_byzantine
         raise FileNotFoundError(f"{sweep_dir}: no trial dir with finished checkpoints to soup")
     candidates = [store.candidate_from_path(d, name=f"trial {d.name}", use_ema=use_ema)
                   for d in trials]
-    evaluator, report_evaluator = evaluate.from_parts(
+    evaluator, report_evaluator = validation.from_parts(
         run.load_parts(run.find_config_gin(trials[0])), report_batches=report_batches)
     gate = GateConfig(require_manifest=require_manifest, max_val_loss_ratio=max_val_loss_ratio,
                       min_pass_fraction=min_pass_fraction)
@@ -52,7 +52,7 @@ class SweepSoup(Callback):
         self.options = options
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from capibara_exp.consensus import report
+        from capibara_exp.consensus import merge_report
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rep = soup_sweep(sweep_dir, **self.options)
@@ -65,5 +65,5 @@ class SweepSoup(Callback):
         print(f"capibara-exp: merged {used} of {len(rows)} trials ({passed} passed the gate) "
               f"into {rep['merged_checkpoint']}: {which} loss {loss['merged']:.4f}, best trial "
               f"{loss['best_candidate']:.4f}", file=sys.stderr)
-        for line in report.warning_lines(rep):
+        for line in merge_report.warning_lines(rep):
             print(f"capibara-exp: {line}", file=sys.stderr)

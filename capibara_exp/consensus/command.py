@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 FEDAVG = "fedavg"
 
@@ -21,7 +21,7 @@ def _config_gin(cfg: DictConfig, first_run: str | Path) -> Path:
 def _evaluators(cfg: DictConfig, first_run: Path, needs: list[str]) -> tuple:
     """(selection, report) evaluators from the run's config.gin; (None, None) when there is
     none and nothing needs validation; an error naming the keys when something does."""
-    from capibara_exp.consensus import evaluate, run
+    from capibara_exp.consensus import run, validation
     try:
         config_gin = _config_gin(cfg, first_run)
     except ConfigError as err:
@@ -30,7 +30,7 @@ def _evaluators(cfg: DictConfig, first_run: Path, needs: list[str]) -> tuple:
         raise ConfigError(f"{', '.join(needs)} need validation batches, but {err}. Set "
                           "eval_config=<a run's config.gin>, or turn those checks off (e.g. "
                           "gate.max_val_loss_ratio=null)") from None
-    return evaluate.from_parts(run.load_parts(config_gin), cfg.eval_batches, cfg.report_batches)
+    return validation.from_parts(run.load_parts(config_gin), cfg.eval_batches, cfg.report_batches)
 
 
 def _runs(cfg: DictConfig) -> list[str]:
@@ -42,7 +42,7 @@ def _runs(cfg: DictConfig) -> list[str]:
 
 def _spec(cfg: DictConfig):
     """The MergeSpec of conf/merge.yaml: the method and every parameter the registry has."""
-    from capibara_exp.consensus.registry import param_names, spec_from
+    from capibara_exp.composing.merge_methods import param_names, spec_from
 
     params = {k: cfg[k] for k in param_names()}
     if params.get("weights") is not None:
@@ -52,10 +52,10 @@ def _spec(cfg: DictConfig):
 
 def run_merge(cfg: DictConfig) -> dict:
     """Merge the configured checkpoints into cfg.out (or run FedAvg); returns the report."""
+    from capibara_exp.composing.merge_methods import METHODS
     from capibara_exp.consensus import store
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import evaluation_needs, merge
-    from capibara_exp.consensus.registry import METHODS
 
     if cfg.method not in (*METHODS, FEDAVG):
         raise ValueError(f"method: unknown merge method {cfg.method!r} (choose from "
@@ -88,7 +88,7 @@ def run_merge(cfg: DictConfig) -> dict:
 
 def run_fedavg(cfg: DictConfig, runs: list[str]) -> dict:
     """method=fedavg: FedAvg rounds on client shards of the task of the run's config.gin."""
-    from capibara_exp.consensus import evaluate, federated, run
+    from capibara_exp.consensus import federated, run, validation
 
     if len(runs) != 1:
         raise ValueError(f"method=fedavg trains the model and task of one run; runs has "
@@ -97,16 +97,16 @@ def run_fedavg(cfg: DictConfig, runs: list[str]) -> dict:
     parts = run.load_parts(_config_gin(cfg, runs[0]))
     evaluator = None  # eval_batches=0: no validation loss per round
     if cfg.eval_batches != 0:
-        evaluator, _ = evaluate.from_parts(parts, cfg.eval_batches, report_batches=0)
+        evaluator, _ = validation.from_parts(parts, cfg.eval_batches, report_batches=0)
     return federated.fedavg(parts, fed, evaluator, Path(cfg.out))[1]
 
 
 def console_lines(rep: dict) -> list[str]:
     """What the console script prints after a merge: every rejected candidate, the
     warnings, and the summary."""
-    from capibara_exp.consensus import report
+    from capibara_exp.consensus import merge_report
 
-    return [*([] if "rounds" in rep else report.warning_lines(rep)), summary(rep)]
+    return [*([] if "rounds" in rep else merge_report.warning_lines(rep)), summary(rep)]
 
 
 def summary(rep: dict) -> str:

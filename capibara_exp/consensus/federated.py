@@ -231,7 +231,7 @@ def fedavg(parts: RunParts, cfg: FedConfig, evaluator: Any = None,
     aggregated update and of the DP noise, the validation loss; the noise multiplier and
     epsilon; warnings). With out_dir, the global state is written there as a T5X-layout
     checkpoint (with its manifest and lineage) beside fedavg_report.json."""
-    from capibara_exp.consensus.registry import MergeSpec
+    from capibara_exp.composing.merge_methods import MergeSpec
 
     spec = MergeSpec(cfg.aggregation, num_byzantine=cfg.num_byzantine,
                      num_selected=cfg.num_selected)

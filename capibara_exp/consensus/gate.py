@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from capibara_exp.base.errors import ConfigError, environment_failure
 from capibara_exp.consensus.store import Candidate, LeafInfo, LeafPath, LeafReader, leaf_index
-from capibara_exp.errors import ConfigError, environment_failure
 from capibara_exp.runtime import integrity
 
 TARGET: LeafPath = ("target",)
@@ -33,6 +33,15 @@ def _ratio(name: str, value: float | None) -> None:
     if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
                                   and value > 0):
         raise ValueError(f"gate.{name} must be a finite number > 0 or null, got {value!r}")
+
+
+@dataclasses.dataclass
+class Spread:
+    """Pairwise squared distances and squared norms of the candidates' parameters,
+    accumulated leaf by leaf on the merge's own read."""
+
+    gram: np.ndarray      # centred Gram matrix (methods.gram_update)
+    norm_sq: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +98,7 @@ class GateResult:
     gram: np.ndarray | None = None      # the accepted candidates' Gram matrix (Krum, ...)
     pending: dict[str, Future] = dataclasses.field(default_factory=dict)  # digests in flight
     no_lineage: list[str] = dataclasses.field(default_factory=list)  # vouched for by distance
-    spread: Any = None                  # ancestry.Spread of the sound pass, when measured
+    spread: Any = None                  # Spread of the sound pass, when measured
 
     def reject(self, candidate: Candidate, why: str) -> None:
         self.rejected.setdefault(candidate.name, why)
@@ -230,7 +239,7 @@ class Observer:
 
         self._median, self._finite = methods.median, methods.all_finite
         self._sq_distances, self._gram = methods.sq_distances_to, methods.gram_update
-        self.spread = spread  # ancestry.Spread to accumulate, or None
+        self.spread = spread  # Spread to accumulate, or None
         self.pool = pool
         self.check_finite = cfg.check_finite
         self.ratio = cfg.max_distance_ratio if len(pool) >= 3 else None
@@ -271,8 +280,6 @@ def until_sound(candidates: list[Candidate], gate: GateResult, cfg: GateConfig,
     candidates once) until one rejects nobody; returns that pass's result. Digest checks
     are joined after the first; distances to the median are measured among the candidates
     that are sound, once."""
-    from capibara_exp.consensus.ancestry import Spread
-
     gate_cfg = cfg
     while True:
         enforce(candidates, gate, cfg)

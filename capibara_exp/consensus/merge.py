@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from capibara_exp.consensus import ancestry, methods, report
+from capibara_exp.composing.merge_methods import MergeSpec
+from capibara_exp.consensus import ancestry, merge_report, methods
 from capibara_exp.consensus import gate as gating
 from capibara_exp.consensus.gate import ConsensusError, GateConfig, GateResult, Observer
-from capibara_exp.consensus.registry import METHODS, MergeSpec, Solve
+from capibara_exp.consensus.registry import METHODS, Solve
 from capibara_exp.consensus.store import Candidate, LeafReader, leaf_index, unflatten, write
 
 REPORT = "merge_report.json"
@@ -181,11 +182,11 @@ def merge(candidates: Sequence[Candidate], spec: MergeSpec, out_dir: str | Path,
         del params
         ckpt = write(out_dir, step, _with_ema_copy(flat, gate),
                      lineage=ancestry.shared_ancestors(gate.accepted))
-    rep = report.build(candidates, spec, gate, solved, (merged_loss, merged_held_out), ckpt,
+    rep = merge_report.build(candidates, spec, gate, solved, (merged_loss, merged_held_out), ckpt,
                        time.perf_counter() - t0)
     (out_dir / REPORT).write_text(json.dumps(rep, indent=1))
     if evaluator is not None:
-        report.plot(rep, out_dir / PLOT)
+        merge_report.plot(rep, out_dir / PLOT)
     return rep
 
 

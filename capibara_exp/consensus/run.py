@@ -10,8 +10,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from capibara_exp import gin_bridge
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.composing import gin_bridge
 
 CONFIG_GIN = "config.gin"
 

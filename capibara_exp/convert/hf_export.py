@@ -29,10 +29,10 @@ import tensorstore as ts
 import yaml
 from etils import epath
 
-from capibara_exp import phases
+from capibara_exp.base import phases
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.convert import families, names, safetensors_io
 from capibara_exp.convert.hf_import import TOKENIZER_FILES, param_shapes
-from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -130,8 +130,8 @@ def compose_entry(entry: str, config_dir: str | None = None) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from capibara_exp.paths import CONF_DIR
-    from capibara_exp.resolvers import register_resolvers
+    from capibara_exp.base.paths import CONF_DIR
+    from capibara_exp.composing.resolvers import register_resolvers
 
     register_resolvers()
     overrides = [f"model={entry}"]

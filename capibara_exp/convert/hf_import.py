@@ -27,10 +27,10 @@ import numpy as np
 import yaml
 from flax import traverse_util
 
-from capibara_exp import phases
+from capibara_exp.base import phases
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.convert import families, names, safetensors_io, t5x_writer
 from capibara_exp.convert.network import network
-from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 from capibara_exp.convert.families import Family
 
 

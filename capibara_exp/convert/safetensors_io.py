@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

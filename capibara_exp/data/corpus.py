@@ -14,8 +14,9 @@ import json
 import os
 import re
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from capibara_exp.base import atomic
 
 CORPUS_NAME = "bytes_lm"
 VALIDATION_PERCENT = 5
@@ -84,7 +85,7 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
         return json.loads(manifest_path.read_text())
-    from capibara_exp import phases
+    from capibara_exp.base import phases
 
     with phases.phase(f"building the text corpus under {out_dir} (first use only)") as shown:
         sources = stdlib_sources()
@@ -94,10 +95,10 @@ def build_corpus(data_dir: str | os.PathLike) -> dict:
                 "files_read": len(sources), "splits": {}}
     for split, lines in splits.items():
         payload = ("\n".join(lines) + "\n").encode()
-        atomic_write(out_dir / f"{split}.txt", payload)
+        atomic.write_bytes(out_dir / f"{split}.txt", payload)
         manifest["splits"][split] = {"lines": len(lines), "bytes": len(payload),
                                      "sha256": hashlib.sha256(payload).hexdigest()}
-    atomic_write(manifest_path, json.dumps(manifest, indent=2).encode())
+    atomic.write_bytes(manifest_path, json.dumps(manifest, indent=2).encode())
     return manifest
 
 
@@ -114,15 +115,3 @@ def _read_splits(sources: tuple[Path, ...], shown: object) -> dict[str, list[str
                 seen.add(line)
                 splits["validation" if _is_validation(line) else "train"].append(line)
     return splits
-
-
-def atomic_write(path: Path, payload: bytes) -> None:
-    """Write via a temporary file and rename, so a killed build never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:  # a full disk or a size limit: no temporary file left behind
-        Path(tmp).unlink(missing_ok=True)
-        raise

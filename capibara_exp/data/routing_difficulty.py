@@ -5,7 +5,8 @@ difficulty (the features of the routing tasks: targets, domain, domain_id, diffi
 and the mixture `capibara_routing_by_difficulty` holds the three, each at rate 1. A
 curriculum goes from easy to hard by giving its stages this mixture with rates per stage
 (conf/curriculum/easy_to_hard.yaml: easy alone, then easy and medium, then all three).
-Registered on import; the data are built under $CAPIBARA_DATA_DIR on first read.
+Registered on import; the tasks read the data built under $CAPIBARA_DATA_DIR (never build
+them: data/e2b/built.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import seqio
 import tensorflow as tf
 
 from capibara_exp.data import routing
-from capibara_exp.data.e2b import build
-from capibara_exp.data.routing_tasks import domain_id
-from capibara_exp.data.tasks import LM_OUTPUT_FEATURES, data_dir, split_to_length
+from capibara_exp.data.e2b import built
+from capibara_exp.data.routing_tasks import examples
+from capibara_exp.data.tasks import add_task, data_dir
 
 TASK_PREFIX = "capibara_routing_difficulty_"
 MIXTURE = "capibara_routing_by_difficulty"
@@ -29,8 +30,8 @@ def difficulty_task(difficulty: str) -> str:
 
 
 def _rows(difficulty: str, split: str) -> list[dict]:
-    build.ensure_built(data_dir())
-    root = build.dataset_dir(data_dir()) / "routing"
+    built.manifest(data_dir())  # NotBuilt: the command that builds them
+    root = built.dataset_dir(data_dir()) / "routing"
     rows = []
     for domain in routing.DOMAINS:
         path = root / domain / f"{split}.jsonl"
@@ -47,26 +48,15 @@ def _rows(difficulty: str, split: str) -> list[dict]:
 def _dataset_fn(difficulty: str):
     def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
         del shuffle_files, seed  # one list per split; seqio shuffles the examples
-        rows = _rows(difficulty, split)
-        return tf.data.Dataset.from_tensor_slices({
-            "targets": tf.constant([r["text"] for r in rows], tf.string),
-            "domain": tf.constant([r["domain"] for r in rows], tf.string),
-            "domain_id": tf.constant([domain_id(r["domain"]) for r in rows], tf.int32),
-            "difficulty": tf.constant([r["difficulty"] for r in rows], tf.string)})
+        return examples(_rows(difficulty, split))
+
     return dataset_fn
 
 
 def register() -> None:
     """Register the three tasks and the mixture (idempotent)."""
     for difficulty in routing.DIFFICULTIES:
-        name = difficulty_task(difficulty)
-        if name not in seqio.TaskRegistry.names():
-            seqio.TaskRegistry.add(
-                name, source=seqio.FunctionDataSource(_dataset_fn(difficulty),
-                                                      splits=routing.SPLITS),
-                preprocessors=[seqio.preprocessors.tokenize, split_to_length,
-                               seqio.preprocessors.append_eos_after_trim],
-                output_features=LM_OUTPUT_FEATURES, metric_fns=[])
+        add_task(difficulty_task(difficulty), _dataset_fn(difficulty), routing.SPLITS)
     if MIXTURE not in seqio.MixtureRegistry.names():
         seqio.MixtureRegistry.add(MIXTURE, [(difficulty_task(d), 1.0)
                                             for d in routing.DIFFICULTIES])

@@ -7,7 +7,8 @@ the domain's index in routing.DOMAINS, a fixed order: python 0, sql 1, javascrip
 debug 3, ml 4, api 5 (router supervision asks for expert `domain_id mod num_experts`).
 Mixtures take their rates from conf/data/ (`mixture_rates` of every data config whose
 task module is this one).
-The data are built under $CAPIBARA_DATA_DIR on first read (capibara_exp/data/e2b/build.py).
+The tasks read the data built under $CAPIBARA_DATA_DIR (by `capibara-exp-data`, or by a run
+before it starts: experiment.prepare_data) and never build them (data/e2b/built.py).
 A domain or source whose built examples leave a split empty (the manifest's
 `routing.left_out`, e.g. a build from user logs with no JavaScript) is left out of every
 mixture: a mixture sampling an empty task would wait forever.
@@ -23,8 +24,8 @@ import seqio
 import tensorflow as tf
 
 from capibara_exp.data import routing
-from capibara_exp.data.e2b import build
-from capibara_exp.data.tasks import data_dir, output_features, split_to_length, variant_name
+from capibara_exp.data.e2b import built
+from capibara_exp.data.tasks import add_task, data_dir, variant_name
 
 TASK_PREFIX = "capibara_routing_"
 SOURCE_TASKS = {"e2b_logs": "capibara_e2b_logs", "ace_playbooks": "capibara_ace_playbooks"}
@@ -44,43 +45,35 @@ def domain_id(domain: str) -> int:
 
 
 def _rows(kind: str, name: str, split: str) -> list[dict]:
-    out = build.dataset_dir(data_dir())
-    build.ensure_built(data_dir())
-    with open(out / kind / name / f"{split}.jsonl", encoding="utf-8") as f:
+    built.manifest(data_dir())  # NotBuilt: the command that builds them
+    path = built.dataset_dir(data_dir()) / kind / name / f"{split}.jsonl"
+    with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+def examples(rows: list[dict]) -> tf.data.Dataset:
+    """Built routing rows as a task's examples: `targets` (text) and the routing features."""
+    return tf.data.Dataset.from_tensor_slices(
+        {
+            "targets": tf.constant([r["text"] for r in rows], tf.string),
+            "domain": tf.constant([r["domain"] for r in rows], tf.string),
+            "domain_id": tf.constant([domain_id(r["domain"]) for r in rows], tf.int32),
+            "difficulty": tf.constant([r["difficulty"] for r in rows], tf.string),
+        }
+    )
 
 
 def _dataset_fn(kind: str, name: str):
     def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
         del shuffle_files, seed  # one file per split; seqio shuffles the examples
-        rows = _rows(kind, name, split)
-        return tf.data.Dataset.from_tensor_slices(
-            {
-                "targets": tf.constant([r["text"] for r in rows], tf.string),
-                "domain": tf.constant([r["domain"] for r in rows], tf.string),
-                "domain_id": tf.constant([domain_id(r["domain"]) for r in rows], tf.int32),
-                "difficulty": tf.constant([r["difficulty"] for r in rows], tf.string),
-            }
-        )
+        return examples(_rows(kind, name, split))
 
     return dataset_fn
 
 
 def _add_task(name: str, kind: str, source_name: str,
               vocabulary: seqio.Vocabulary | None = None) -> None:
-    if name in seqio.TaskRegistry.names():
-        return
-    seqio.TaskRegistry.add(
-        name,
-        source=seqio.FunctionDataSource(_dataset_fn(kind, source_name), splits=routing.SPLITS),
-        preprocessors=[
-            seqio.preprocessors.tokenize,
-            split_to_length,
-            seqio.preprocessors.append_eos_after_trim,
-        ],
-        output_features=output_features(vocabulary),
-        metric_fns=[],
-    )
+    add_task(name, _dataset_fn(kind, source_name), routing.SPLITS, vocabulary)
 
 
 def _check_rates(name: str, rates: dict) -> dict[str, float]:
@@ -104,14 +97,13 @@ def _task_of(key: str, vocabulary: seqio.Vocabulary | None = None) -> str:
     return name
 
 
-def _left_out(build_first: bool) -> dict[str, str]:
-    """Domains and sources the built data leave out of mixtures (none before a build)."""
-    if build_first:
-        return build.ensure_built(data_dir())["routing"].get("left_out", {})
-    path = build.dataset_dir(data_dir()) / "manifest.json"
+def _left_out() -> dict[str, str]:
+    """Domains and sources the built data leave out of mixtures (none before a build: a
+    mixture named before the data exist, as in an ahead-of-time compile, is whole, and
+    reading it says how to build them)."""
     try:
-        return json.loads(path.read_text())["routing"].get("left_out", {})
-    except (OSError, ValueError, KeyError):
+        return built.manifest(data_dir())["routing"].get("left_out", {})
+    except (built.NotBuilt, KeyError):
         return {}
 
 
@@ -144,7 +136,7 @@ def mixture_with_rates(name: str, rates: dict,
     (data.mixture_rates.sql=2.0) and the model's vocabulary reach the mixture in both
     engines.
     """
-    left_out = _left_out(build_first=True)
+    left_out = _left_out()
     rates = _without_left_out(name, _check_rates(name, dict(rates)), left_out)
     base = variant_name(name, vocabulary)
     if base in seqio.MixtureRegistry.names():
@@ -162,7 +154,7 @@ def _shipped_mixtures() -> dict[str, dict]:
     """name -> rates of every data config in conf/data/ whose task module is this one."""
     import yaml
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     out = {}
     for path in sorted((CONF_DIR / "data").glob("*.yaml")):
@@ -178,7 +170,7 @@ def register() -> None:
         _add_task(domain_task(domain), "routing", domain)
     for source, task in SOURCE_TASKS.items():
         _add_task(task, "sources", source)
-    left_out = _left_out(build_first=False)
+    left_out = _left_out()
     for name, rates in _shipped_mixtures().items():
         with contextlib.suppress(ValueError):  # all left out: mixture_with_rates says so
             add_mixture(name, rates, left_out)

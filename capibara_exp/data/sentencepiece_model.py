@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data import corpus
-from capibara_exp.errors import ConfigError
 
 MODEL_TYPES = ("unigram", "bpe")
 

@@ -75,15 +75,17 @@ def variant_name(name: str, vocabulary: seqio.Vocabulary | None) -> str:
     return f"{name}_{tag}" if tag else name
 
 
-def _add_lm_task(name: str, vocabulary: seqio.Vocabulary | None) -> str:
-    task = variant_name(name, vocabulary)
-    if task not in seqio.TaskRegistry.names():
+def add_task(name: str, dataset_fn, splits: tuple[str, ...],
+             vocabulary: seqio.Vocabulary | None = None, preprocessors: tuple = ()) -> str:
+    """Register one of the project's language-modelling tasks (once): `dataset_fn`'s
+    examples, `preprocessors` giving them `targets` text, tokenized in `vocabulary`, cut to
+    the feature length, EOS after each piece. The recipe every such task shares."""
+    if name not in seqio.TaskRegistry.names():
         seqio.TaskRegistry.add(
-            task,
-            source=seqio.FunctionDataSource(dataset_fn=_corpus_lines,
-                                            splits=("train", "validation")),
+            name,
+            source=seqio.FunctionDataSource(dataset_fn=dataset_fn, splits=splits),
             preprocessors=[
-                _text_to_targets,
+                *preprocessors,
                 seqio.preprocessors.tokenize,
                 split_to_length,
                 seqio.preprocessors.append_eos_after_trim,
@@ -91,7 +93,12 @@ def _add_lm_task(name: str, vocabulary: seqio.Vocabulary | None) -> str:
             output_features=output_features(vocabulary),
             metric_fns=[],
         )
-    return task
+    return name
+
+
+def _add_lm_task(name: str, vocabulary: seqio.Vocabulary | None) -> str:
+    return add_task(variant_name(name, vocabulary), _corpus_lines, ("train", "validation"),
+                    vocabulary, (_text_to_targets,))
 
 
 def lm_task(name: str = BYTES_LM, vocabulary: seqio.Vocabulary | None = None) -> str:

@@ -25,8 +25,8 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from capibara_exp import model_facts
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import model_facts
+from capibara_exp.base.errors import ConfigError
 
 _WHERE = "model.vocabulary"
 

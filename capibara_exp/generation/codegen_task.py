@@ -18,12 +18,13 @@ from pathlib import Path
 import seqio
 import tensorflow as tf
 
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.data.e2b import built
 from capibara_exp.data.tasks import VOCABULARY, data_dir
-from capibara_exp.errors import ConfigError
 from capibara_exp.generation import scoring
 
 TASK = "capibara_e2b_codegen"
-LOGS_ENV = "CAPIBARA_CODEGEN_LOGS"
+LOGS_ENV = built.CODEGEN_LOGS_ENV
 
 
 def features(vocabulary: seqio.Vocabulary | None = None) -> dict:
@@ -35,15 +36,13 @@ def features(vocabulary: seqio.Vocabulary | None = None) -> dict:
 
 
 def logs_path() -> Path:
-    """$CAPIBARA_CODEGEN_LOGS, else the collected logs of the data build (built first, as
-    the routing tasks build on first read); a ConfigError saying how when there are none."""
+    """$CAPIBARA_CODEGEN_LOGS, else the collected logs of the data build (never built here:
+    the run's data preparation builds them); a ConfigError saying how when there are none."""
     if os.environ.get(LOGS_ENV):
         path = Path(os.environ[LOGS_ENV])
     else:
-        from capibara_exp.data.e2b import build
-
-        build.ensure_built(data_dir())
-        path = build.dataset_dir(data_dir()) / "logs" / "collected.jsonl"
+        built.manifest(data_dir())  # NotBuilt: the command that builds them
+        path = built.dataset_dir(data_dir()) / "logs" / "collected.jsonl"
     if not path.is_file():
         raise ConfigError(f"{TASK}: no E2B logs at {path}; set ${LOGS_ENV} to an E2B-format "
                           "JSONL file or collect some with capibara-exp-data")

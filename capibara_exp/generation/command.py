@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capibara_exp.errors import ConfigError, Preempted
-from capibara_exp.generation import decoding, loading, prompts
+from capibara_exp.base import atomic
+from capibara_exp.base.errors import ConfigError, Preempted
+from capibara_exp.generation import loading, prompts
+from capibara_exp.runtime import decoding
 
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(decoding.Sampling))
 
@@ -180,7 +182,7 @@ def run(job: Job, prog: str) -> dict[str, Any]:
 def _write(job: Job, lines: list[str], status: str, progress: _Progress) -> dict:
     summary = {"out": str(job.out), "done": len(lines), "tokens": progress.tokens,
                "tokens_per_s": progress.rate()}
-    prompts.write_atomic(job.out, lines)
-    prompts.write_atomic(record_path(job.out), [json.dumps(
+    atomic.write_lines(job.out, lines)
+    atomic.write_lines(record_path(job.out), [json.dumps(
         {**job.record, "status": status, **summary}, indent=2)])
     return summary

@@ -16,11 +16,11 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.convert import hf_export
 from capibara_exp.convert.hf_import import param_shapes
 from capibara_exp.convert.network import network
 from capibara_exp.data import vocabularies
-from capibara_exp.errors import ConfigError
 from capibara_exp.runtime import checkpoints
 from capibara_exp.runtime.lora import base as lora_base
 

@@ -4,11 +4,9 @@ beside a record of what made them), for capibara-exp-generate and the infer eval
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterable
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 JSONL_KEYS = ("prompt", "inputs", "text")  # the first one a JSONL line has is its prompt
 
@@ -82,16 +80,3 @@ def from_task(task: str, split: str, limit: int | None) -> list[dict]:
     if not out:
         raise ConfigError(f"task={task} split={split}: no examples")
     return out
-
-
-def write_atomic(path: Path, lines: Iterable[str]) -> None:
-    """Write beside the final name, then rename: a stopped run leaves no half file."""
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        with open(staging, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
-        staging.replace(path)
-    except BaseException:  # a full disk or a size limit: no staging file left beside the output
-        staging.unlink(missing_ok=True)
-        raise

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.generation import execution, pass_at_k
 
 MODES = ("stdout", "no_error")

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, ConfigError
 
 TIMEOUTS = {"initialization_timeout_s": "initialization_timeout",  # conf key -> JAX's keyword
             "heartbeat_timeout_s": "heartbeat_timeout_seconds",

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from capibara_exp import private_apis
+from capibara_exp.base import private_apis
 from capibara_exp.launch.distributed import first_line, stop
 
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"

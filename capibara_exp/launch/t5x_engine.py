@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from capibara_exp.errors import ConfigError, RunError
+from capibara_exp.base.errors import ConfigError, RunError
 from capibara_exp.launch import t5x_data
 
 CONFIG_GIN = "config.gin"
@@ -221,7 +221,7 @@ def _recorded_steps(run_dir: Path) -> dict[str, int]:
     """The last step metrics.jsonl holds, per split."""
     done: dict[str, int] = {}
     path = run_dir / METRICS
-    from capibara_exp.metrics_file import read_records
+    from capibara_exp.base.metrics_file import read_records
 
     for record in read_records(path)[0] if path.is_file() else []:
         done[record["split"]] = max(done.get(record["split"], -1), record["step"])
@@ -299,7 +299,7 @@ class _Progress:
 
 
 def _say(message: str) -> None:
-    from capibara_exp.environment import copy_to_run_log
+    from capibara_exp.base.environment import copy_to_run_log
 
     print(f"capibara-exp: {message}", file=sys.stderr, flush=True)
     copy_to_run_log(f"capibara-exp: {message}")

@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from capibara_exp import environment, phases
+from capibara_exp.base import environment, phases
 
 VERBOSE_ENV = "CAPIBARA_VERBOSE"
 

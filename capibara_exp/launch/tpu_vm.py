@@ -16,9 +16,9 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from capibara_exp import topologies
-from capibara_exp.errors import PREEMPTED_EXIT_CODE, ConfigError
-from capibara_exp.topologies import LIBTPU_FLAGS_ENV, Topology
+from capibara_exp.base import topologies
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, ConfigError
+from capibara_exp.base.topologies import LIBTPU_FLAGS_ENV, Topology
 
 RUNTIMES = ("t5x", "local")
 SCRIPT = "launch_tpu_vm.sh"

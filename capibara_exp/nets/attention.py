@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp import logical_axes as axes
+from capibara_exp.base import logical_axes as axes
 from capibara_exp.nets import splash
 from capibara_exp.nets.layers import Dense, RMSNorm, constrain, dropout, softcap
 from capibara_exp.nets.positions import rotate

@@ -9,7 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 from capibara_exp.nets.positions import rope_frequencies
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -198,7 +198,7 @@ def _check_remat(c: DecoderConfig) -> str | None:
         unknown = [v for v in values if v not in model_facts.REMAT_NAMES]
         if unknown:
             return f"{field}: {unknown} are not among {list(model_facts.REMAT_NAMES)}"
-        if values and c.remat_policy not in ("offload", "custom"):
+        if values and c.remat_policy not in model_facts.REMAT_WITH_LISTS:
             return (f"{field}={list(values)} needs remat_policy 'offload' or 'custom' "
                     f"(got {c.remat_policy!r}, whose tensors are fixed)")
     both = sorted(set(c.remat_save) & set(c.remat_offload))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp import logical_axes as axes
+from capibara_exp.base import logical_axes as axes
 from capibara_exp.nets.attention import Attention
 from capibara_exp.nets.config import DecoderConfig as DecoderConfig
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 
 param_with_axes = nn_partitioning.param_with_axes
 constrain = nn_partitioning.with_sharding_constraint

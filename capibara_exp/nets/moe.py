@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from capibara_exp import logical_axes as axes
-from capibara_exp import model_facts
+from capibara_exp.base import logical_axes as axes
+from capibara_exp.base import model_facts
 from capibara_exp.nets.decoder import (
     _ACTIVATIONS,
     Decoder,

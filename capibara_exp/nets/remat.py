@@ -23,7 +23,7 @@ import jax
 from flax import linen as nn
 from jax import ad_checkpoint
 
-from capibara_exp import model_facts
+from capibara_exp.base import model_facts
 
 checkpoint_name = ad_checkpoint.checkpoint_name
 
@@ -34,7 +34,7 @@ def policy_for(policy: str, save: tuple[str, ...] = (), offload: tuple[str, ...]
         return None
     if policy == "full":
         return policies.nothing_saveable
-    if policy in ("dots", "minimal"):
+    if policy in model_facts.REMAT_DOTS:
         return policies.dots_with_no_batch_dims_saveable
     kept, moved = model_facts.remat_names(policy, save, offload)
     if not moved:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from capibara_exp import logical_axes as axes
+from capibara_exp.base import logical_axes as axes
 
 # Splash's query/key block: MaxText's default (sa_block_q = sa_block_kv = 512); shorter
 # sequences use one block of their own length. DecoderConfig.splash_block sets another
@@ -60,7 +60,7 @@ def _kernel(num_heads: int, length: int, grouped: bool, cap: float | None,
 def splash_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segments_BxL, *, cap=None, window=None,
                      interpret: bool = False, block: int = SPLASH_BLOCK, fused_bwd: bool = False):
     """The splash kernel, causal within segments, over the current mesh (if any): batch and
-    heads split as the logical axis rules in force say (logical_axes.py), one kernel per
+    heads split as the logical axis rules in force say (base/logical_axes.py), one kernel per
     device shard (shard_map), each sequence of a shard in turn (vmap)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from capibara_exp import environment
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import environment
+from capibara_exp.base.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from capibara_exp.runtime.config import UnsupportedParameter
 from capibara_exp.runtime.trainer import BaseAction, TrainState
+from capibara_exp.runtime.utils import UnsupportedParameter
 
 
 def check_actions(actions: Mapping[str, Sequence[BaseAction]] | None,

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from capibara_exp.errors import ConfigError, RunError
+from capibara_exp.base.errors import ConfigError, RunError
 from capibara_exp.runtime import integrity
 
 STEP_PREFIX = "checkpoint"

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from capibara_exp.runtime import inputs
-from capibara_exp.runtime.config import DatasetConfig
+from capibara_exp.runtime.utils import DatasetConfig
 
 _WHERE = "train_script.train.curriculum"
 SCHEDULE_NUMBERS = ("warmup_steps", "decay_factor", "steps_per_decay", "steps_per_cycle",

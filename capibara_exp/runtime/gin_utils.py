@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import gin
-from capibara_exp.errors import ConfigError
-from capibara_exp.gin_bridge import BINDING_MARK
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.composing.gin_bridge import BINDING_MARK
 from gin import config_parser
 
 OPERATIVE_CONFIG = "operative_config.gin"
@@ -17,7 +17,7 @@ OPERATIVE_CONFIG = "operative_config.gin"
 # (data_packing.packer, which T5X never reads), so the input pipeline gets it as an argument.
 _PACKER_BINDING = """from __gin__ import dynamic_registration
 from capibara_exp.data import packing as data_packing
-from capibara_exp.runtime import config as utils
+from capibara_exp.runtime import utils
 utils.DatasetConfig.packer = @data_packing.packer()
 """
 _TEMPLATE_MARK_RE = re.compile(
@@ -163,7 +163,7 @@ def _config_error(err: Exception, path: Path, gin_text: str) -> ConfigError | No
     unsupported T5X parameter, or a ValueError/TypeError raised while gin builds an object
     (a configurable other than train itself) or naming a parameter config.gin binds. None
     for an error of the training itself."""
-    from capibara_exp.runtime.config import UnsupportedParameter  # JAX: not before it is needed
+    from capibara_exp.runtime.utils import UnsupportedParameter  # JAX: not before it is needed
 
     if not isinstance(err, (ValueError, TypeError)):
         return None

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from capibara_exp.runtime.config import Schedule
+from capibara_exp.runtime.utils import Schedule
 
 
 class HyperparamsState(NamedTuple):

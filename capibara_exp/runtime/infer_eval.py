@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capibara_exp.runtime.config import DatasetConfig
+from capibara_exp.runtime.utils import DatasetConfig
 
 SPLIT = "inference_eval"
 
@@ -37,8 +37,7 @@ class InferEval:
     def __init__(self, cfg: DatasetConfig, evaluator_cls: Any, model: Any, model_dir: str):
         from t5x import models
 
-        from capibara_exp.generation import decoding
-        from capibara_exp.runtime import inputs
+        from capibara_exp.runtime import decoding, inputs
 
         inputs.import_modules(cfg)
         self.cfg = cfg

@@ -24,7 +24,7 @@ import seqio
 import tensorflow as tf
 
 from capibara_exp.data import packing
-from capibara_exp.runtime.config import DatasetConfig
+from capibara_exp.runtime.utils import DatasetConfig
 
 INPUT_THREADS = 1
 # Examples per kernel call with first-fit (next-fit uses seqio's chunk, the row length).

@@ -53,9 +53,11 @@ def _text_digest(body: dict, algorithm: str) -> str:
 
 
 def _files(step_dir: Path) -> list[Path]:
-    """The files a manifest covers: all but the manifest (and one being written)."""
+    """The files a manifest covers: all but the manifest (and one being written: its
+    temporary name is hidden, atomic.temporary_name)."""
     stem = MANIFEST.rsplit(".", 1)[0]
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.name.startswith(stem))
+    return sorted(p for p in step_dir.rglob("*")
+                  if p.is_file() and not p.name.lstrip(".").startswith(stem))
 
 
 def file_listing(step_dir: str | Path) -> dict[str, dict]:

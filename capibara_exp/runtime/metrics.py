@@ -12,8 +12,8 @@ from typing import Any, TextIO
 
 from tensorboardX import SummaryWriter
 
-from capibara_exp.environment import copy_to_run_log
-from capibara_exp.metrics_file import read_records, tell_damaged
+from capibara_exp.base.environment import copy_to_run_log
+from capibara_exp.base.metrics_file import read_records, tell_damaged
 
 
 def summarize(sums: dict[str, float]) -> dict[str, float]:
@@ -86,7 +86,7 @@ def model_flops_per_token(config: Any, length: int, moe_config: Any = None) -> f
     """Analytic training FLOPs per token of a network config (model_facts' PaLM count: 6 x
     the matmul weights a token meets, k of E experts in a MoE layer, plus the attention
     term over the keys each layer attends)."""
-    from capibara_exp import model_facts
+    from capibara_exp.base import model_facts
 
     return model_facts.train_flops_per_token(model_facts.sizes(config, moe_config), length)
 

@@ -12,7 +12,7 @@ import seqio
 from flax import linen as nn
 from flax.core import unfreeze
 
-from capibara_exp.runtime.config import reject_unsupported
+from capibara_exp.runtime.utils import reject_unsupported
 
 Batch = dict[str, jnp.ndarray]
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import psutil
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 GiB = float(1 << 30)
 # Host-side copies of a train batch at once: the input pipeline's prefetched one, the one
@@ -117,7 +117,7 @@ def check_network_bound(model: Any, length: int) -> None:
     """Before the network is traced (tracing 10^5 layers alone takes an hour): a lower bound
     on what one device must hold, the parameters fully sharded and one saved activation per
     layer for one example, against a device's memory; and a depth that can be traced."""
-    from capibara_exp import model_facts
+    from capibara_exp.base import model_facts
 
     module = getattr(model, "module", None)
     cfg = getattr(module, "config", None)
@@ -126,7 +126,7 @@ def check_network_bound(model: Any, length: int) -> None:
         return
     sizes = model_facts.sizes(cfg, getattr(module, "moe_config", None))
     d, layers = cfg.emb_dim, cfg.num_layers
-    itemsize = 2 if getattr(cfg, "dtype", "float32") == "bfloat16" else 4
+    itemsize = model_facts.DTYPE_BYTES.get(sizes.dtype, 4)
     counts = model_facts.counts(sizes)
     embedding = 4.0 * (counts.embedding * (1 if sizes.tied else 2)) / jax.device_count()
     depth = 4.0 * (counts.total - counts.embedding * (1 if sizes.tied else 2)) \

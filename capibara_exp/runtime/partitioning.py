@@ -20,9 +20,9 @@ from flax.linen import partitioning as nn_partitioning
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from capibara_exp import logical_axes as axes
-from capibara_exp import meshes
-from capibara_exp.runtime.config import reject_unsupported
+from capibara_exp.base import logical_axes as axes
+from capibara_exp.base import meshes
+from capibara_exp.runtime.utils import reject_unsupported
 
 LogicalRules = Sequence[tuple[str, str | None]]
 # Devices a partitioner lays its mesh over when not jax.devices(): the chips of a TPU
@@ -98,7 +98,7 @@ def standard_logical_axis_rules(
 
 
 def with_activation_rules(rules: LogicalRules, moe: bool = False) -> tuple:
-    """`rules` and, after them, the default activation rules (logical_axes.py, `batch`) for
+    """`rules` and, after them, the default activation rules (base/logical_axes.py, `batch`) for
     every activation name they leave out: flax gives an unnamed activation no sharding at
     all, so rules written before activations had names of their own still split the batch."""
     named = {name for name, _ in rules}
@@ -144,7 +144,7 @@ class PjitPartitioner:
             logical_axis_rules or standard_logical_axis_rules(), moe=self.moe_rules)
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        """Mesh axis -> size for a device count (the mesh rule, capibara_exp/meshes.py)."""
+        """Mesh axis -> size for a device count (the mesh rule, capibara_exp/base/meshes.py)."""
         return meshes.mesh_axes(num_devices, self.num_model_partitions,
                                 num_slices=self.num_slices)
 

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from capibara_exp import phases
-from capibara_exp.errors import ConfigError, RunError, environment_failure
+from capibara_exp.base import phases
+from capibara_exp.base.errors import ConfigError, RunError, environment_failure
 from capibara_exp.runtime import checkpoints, integrity
 
 

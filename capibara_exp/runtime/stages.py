@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from capibara_exp.runtime.config import Schedule
 from capibara_exp.runtime.curriculum import Stage, stage_at, stage_start
 from capibara_exp.runtime.hyperparams import HyperparamsState
+from capibara_exp.runtime.utils import Schedule
 
 _WHERE = "train_script.train.curriculum"
 

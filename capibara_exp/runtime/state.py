@@ -16,8 +16,8 @@ from flax.core import unfreeze
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec
 
-from capibara_exp.runtime.config import DatasetConfig
 from capibara_exp.runtime.trainer import Trainer, TrainState
+from capibara_exp.runtime.utils import DatasetConfig
 
 # train's own parameters that go to the trainer class (T5X's trainers have none of them).
 TRAINER_FEATURES = ("ema_decay", "skip_nonfinite_updates", "max_consecutive_skips")

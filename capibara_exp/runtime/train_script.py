@@ -18,17 +18,11 @@ from typing import Any
 
 import jax
 
-from capibara_exp import phases
-from capibara_exp.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
+from capibara_exp.base import phases
+from capibara_exp.base.errors import Preempted, TrainingDiverged  # noqa: F401 (callers catch them)
 from capibara_exp.runtime import checkpoints, infer_eval, inputs, lineage, monitor, resume
 from capibara_exp.runtime import curriculum as staged
 from capibara_exp.runtime.actions import check_actions, run_actions
-from capibara_exp.runtime.config import (
-    CheckpointConfig,
-    DatasetConfig,
-    reject_unsupported,
-    require_value,
-)
 from capibara_exp.runtime.events import Events, EventWriter
 from capibara_exp.runtime.metrics import (
     MetricsWriter,
@@ -50,6 +44,12 @@ from capibara_exp.runtime.state import (
     trainer_features,
 )
 from capibara_exp.runtime.trainer import BaseAction, Trainer, TrainState
+from capibara_exp.runtime.utils import (
+    CheckpointConfig,
+    DatasetConfig,
+    reject_unsupported,
+    require_value,
+)
 from capibara_exp.runtime.window import NanGuard, StepWindow, sum_metrics
 
 

@@ -15,7 +15,7 @@ import optax
 from flax import serialization, traverse_util
 
 from capibara_exp.runtime import hyperparams
-from capibara_exp.runtime.config import reject_unsupported
+from capibara_exp.runtime.utils import reject_unsupported
 
 
 @flax.struct.dataclass
@@ -216,7 +216,7 @@ class Trainer:
         return functools.partial(self.model.loss_fn, frozen=frozen)
 
     def check_batch_size(self, batch_size: int) -> None:
-        from capibara_exp.meshes import check_batch  # the one mesh rule (imported here only to
+        from capibara_exp.base.meshes import check_batch  # the one mesh rule (imported here only to
         # keep this change to the method: trainer.py is being reworked in parallel)
 
         check_batch(batch_size, self.num_microbatches, self.partitioner.data_size)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from capibara_exp.errors import TrainingDiverged
+from capibara_exp.base.errors import TrainingDiverged
 from capibara_exp.kernels import segment_stats
 from capibara_exp.runtime.metrics import summarize
 

@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from capibara_exp.errors import ConfigError
-from capibara_exp.sweeping import files
+from capibara_exp.base import atomic
+from capibara_exp.base.errors import ConfigError
 
 SWEEPS_GROUP = "sweeps"  # sweeps/*.yaml: hydra.sweeper settings only (sweeps/README.md)
 EXPERIMENT = "experiment"
@@ -107,5 +107,6 @@ def write(sweep_dir: Path, study_name: str, number: int, value: float, fixed: Se
     header = (f"# @package _global_\n# {command}\n"
               f"# Trial {number} of study {study_name} (value {value}): the sweep's overrides "
               "and the trial's sampled values.\n")
-    files.write_text(path, header + yaml.safe_dump(config, sort_keys=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, header + yaml.safe_dump(config, sort_keys=False))
     return path, command

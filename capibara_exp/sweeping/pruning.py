@@ -8,11 +8,11 @@ from typing import Any
 
 import optuna
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
 from capibara_exp.runtime.trainer import BaseAction
 from capibara_exp.sweeping import retry
+from capibara_exp.sweeping.settings import PRUNED_AT, PRUNER_KEY, PRUNER_OPTIONS
 from capibara_exp.sweeping.storage import redacted
-from capibara_exp.sweeping.study import PRUNED_AT, PRUNER_KEY, PRUNER_OPTIONS
 
 log = logging.getLogger(__name__)
 # How long a report waits for a database that is away before training goes on without it:

@@ -30,9 +30,10 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study, run_lock
+from capibara_exp.base import atomic, optuna_study, run_lock
 from capibara_exp.sweeping.results import NOT_RUN, RETRIED
 from capibara_exp.sweeping.retry import Outage
+from capibara_exp.sweeping.settings import PRUNED_AT, PRUNER_OPTIONS, RUN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,9 @@ ERROR = "error"
 ORPHANED = "its process died"
 STALE = "no heartbeat within the grace period: its machine or process died"
 PREEMPTED = "preempted (its job exited 75)"
-PRUNED_AT = "pruned_at_step"  # set on the trial by its job's pruning action
-RUN_DIR = "run_dir"  # where a trial's job ran: its retry resumes there
 # What a retry keeps of its trial's user attributes (Optuna's callback copies them all):
 # the run dir to resume, and the pruner's options; not the pid, host or error of the dead.
-INHERITED = (RUN_DIR, "pruner_options")
+INHERITED = (RUN_DIR, PRUNER_OPTIONS)
 OUTBOX = "outbox"
 
 
@@ -140,10 +139,7 @@ def keep(sweep_dir: Path, number: int, result: Mapping[str, Any]) -> Path:
     box = sweep_dir / OUTBOX
     box.mkdir(parents=True, exist_ok=True)
     path = box / f"trial-{number}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"number": number, **result}))
-    os.replace(tmp, path)
-    return path
+    return atomic.write_text(path, json.dumps({"number": number, **result}))
 
 
 def settled(record: Mapping[str, Any],

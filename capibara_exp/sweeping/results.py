@@ -6,18 +6,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 import yaml
 from optuna.trial import TrialState
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import atomic
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.sweeping import best as best_lib
-from capibara_exp.sweeping import files
-
-if TYPE_CHECKING:
-    from capibara_exp.sweeping.study import SweepSettings
+from capibara_exp.sweeping.settings import SweepSettings
 
 log = logging.getLogger(__name__)
 RESULTS = "optimization_results.yaml"
@@ -61,10 +59,10 @@ def write_results(study: optuna.Study, settings: SweepSettings, sweep_dir: Path,
         results["pareto_front"] = [{"trial": t.number, "params": dict(t.params),
                                     "values": list(t.values)} for t in study.best_trials]
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    from capibara_exp.sweeping.plots import write_plots  # matplotlib, only once a sweep ends
+    from capibara_exp.sweeping.study_plots import write_plots  # matplotlib, only once a sweep ends
 
     results["plots"] = write_plots(study, sweep_dir)
-    files.write_text(sweep_dir / RESULTS, yaml.safe_dump(results, sort_keys=False))
+    atomic.write_text(sweep_dir / RESULTS, yaml.safe_dump(results, sort_keys=False))
     return results
 
 

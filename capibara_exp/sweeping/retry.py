@@ -21,8 +21,8 @@ import optuna
 import sqlalchemy
 from optuna.trial import TrialState
 
-from capibara_exp import private_apis
-from capibara_exp.errors import RunError
+from capibara_exp.base import private_apis
+from capibara_exp.base.errors import RunError
 
 T = TypeVar("T")
 FIRST_WAIT_S, MAX_WAIT_S = 0.5, 2.0  # backoff; short at the top, so heartbeats resume soon

@@ -17,7 +17,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from capibara_exp import optuna_study
+from capibara_exp.base import optuna_study
 
 
 class PerTrialSeedSampler(optuna.samplers.BaseSampler):

@@ -6,15 +6,12 @@ trial is recovery.py's."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from capibara_exp import optuna_study
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.sweeping import retry
 from capibara_exp.sweeping.retry import Outage, RetryingStorage
-
-if TYPE_CHECKING:
-    from capibara_exp.sweeping.study import SweepSettings
+from capibara_exp.sweeping.settings import SweepSettings
 
 HEARTBEAT_S = 60  # heartbeat interval on RDB storages other than SQLite, unless configured
 

@@ -18,17 +18,17 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.sweeping import recovery
-from capibara_exp.sweeping import space as space_lib
+from capibara_exp.sweeping import search_space as space_lib
 from capibara_exp.sweeping import trials as trials_lib
 from capibara_exp.sweeping.recovery import (
     ERROR,
@@ -47,87 +47,29 @@ from capibara_exp.sweeping.results import (
     write_results,
 )
 from capibara_exp.sweeping.sampler import PerTrialSeedSampler
-from capibara_exp.sweeping.storage import HEARTBEAT_S, heartbeat_interval, storage_url
-from capibara_exp.sweeping.storage import open_storage as _open_storage
-from capibara_exp.sweeping.trials import (
+from capibara_exp.sweeping.settings import (
     CACHE_KEY,
     PRUNED_AT,
+    PRUNER_KEY,
     PRUNER_OPTIONS,
+    SAMPLER_KEY,
     STORAGE_ENV,
-    job_overrides,
-    trial_override,
+    SweepSettings,
 )
+from capibara_exp.sweeping.storage import HEARTBEAT_S, heartbeat_interval, storage_url
+from capibara_exp.sweeping.storage import open_storage as _open_storage
+from capibara_exp.sweeping.trials import job_overrides, trial_override
 
 __all__ = ["CACHE_KEY", "ERROR", "HEARTBEAT_S", "NOT_RUN", "ORPHANED", "PREEMPTED", "PRUNED_AT",
-           "PRUNER_OPTIONS", "RESULTS", "RETRIED", "STALE", "STORAGE_ENV", "SweepSettings",
+           "PRUNER_KEY", "PRUNER_OPTIONS", "RESULTS", "RETRIED", "STALE", "STORAGE_ENV",
+           "SweepSettings",
            "counted", "fail_orphans", "fail_stale", "heartbeat_interval", "job_overrides",
            "open_study", "run", "storage_url", "summary", "trial_override", "write_results"]
 
 log = logging.getLogger(__name__)
 
 MIN_FINISHED = 5  # finished trials before max_failure_rate applies (fewer if n_trials is less)
-SAMPLER_KEY, PRUNER_KEY = "hydra.sweeper.sampler", "hydra.sweeper.pruner"  # named in errors
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-
-
-@dataclass
-class SweepSettings:
-    """hydra.sweeper.* of conf/hydra/sweeper/capibara_optuna.yaml."""
-
-    study_name: str
-    storage: str | None = None
-    direction: str | list[str] = "minimize"
-    metric: str | list[str] = "loss"
-    sampler: str = "tpe"
-    seed: int | None = None
-    n_trials: int = 8
-    max_failure_rate: float = 0.5
-    pruner: str = "none"
-    n_workers: int = 1
-    compile_cache: bool = True  # trials share XLA's compilation cache in the sweep dir
-    worker_index: int = 0  # set on the processes a sweep starts; 0 is the one you started
-    params: dict[str, str] = field(default_factory=dict)
-    # More keywords of the Optuna sampler and pruner. null in the YAML (a {} there would be
-    # a struct node that refuses `hydra.sweeper.pruner_options={n_warmup_steps: 40}`).
-    sampler_options: dict[str, Any] | None = None
-    pruner_options: dict[str, Any] | None = None
-    heartbeat_interval: int | None = None  # None: HEARTBEAT_S on non-SQLite RDB; 0: off
-    grace_period: int | None = None  # None: twice the heartbeat interval
-    max_retries: int = 2  # runs again of a trial whose machine died or that was preempted
-    storage_retry_s: float = 600.0  # how long a worker waits for a database that is away
-
-    @property
-    def directions(self) -> list[str]:
-        return [self.direction] if isinstance(self.direction, str) else list(self.direction)
-
-    @property
-    def metrics(self) -> list[str]:
-        return [self.metric] if isinstance(self.metric, str) else list(self.metric)
-
-    def __post_init__(self) -> None:
-        self.sampler_options = dict(self.sampler_options or {})
-        self.pruner_options = dict(self.pruner_options or {})
-        if len(self.directions) != len(self.metrics):
-            raise ConfigError(f"hydra.sweeper: {len(self.directions)} direction(s) but "
-                              f"{len(self.metrics)} metric(s); give one direction per metric")
-        if self.n_workers < 1:
-            raise ConfigError(f"hydra.sweeper.n_workers must be >= 1, got {self.n_workers}")
-        if self.n_trials < 1:
-            raise ConfigError(f"hydra.sweeper.n_trials must be >= 1, got {self.n_trials}")
-        if not 0.0 <= self.max_failure_rate <= 1.0:
-            raise ConfigError("hydra.sweeper.max_failure_rate must be in [0, 1], "
-                              f"got {self.max_failure_rate}")
-        if self.heartbeat_interval is not None and self.heartbeat_interval < 0:
-            raise ConfigError("hydra.sweeper.heartbeat_interval must be >= 0 (0: off) or null, "
-                              f"got {self.heartbeat_interval}")
-        if self.grace_period is not None and self.grace_period < 1:
-            raise ConfigError("hydra.sweeper.grace_period must be >= 1 or null, "
-                              f"got {self.grace_period}")
-        if self.max_retries < 0:
-            raise ConfigError(f"hydra.sweeper.max_retries must be >= 0, got {self.max_retries}")
-        if self.storage_retry_s < 0:
-            raise ConfigError("hydra.sweeper.storage_retry_s must be >= 0, "
-                              f"got {self.storage_retry_s}")
 
 
 def grid_done(study: optuna.Study, space: space_lib.SearchSpace) -> bool:
@@ -155,16 +97,6 @@ def open_study(settings: SweepSettings, url: str,
     opened.study.sampler = (build(settings.seed) if settings.sampler == "grid"
                             else PerTrialSeedSampler(build, settings.seed))
     return opened
-
-
-def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
-    """The objective values from a job's return value (a mapping of final metrics)."""
-    if not isinstance(result, dict):
-        raise ConfigError(f"the job returned {result!r}, not a mapping of metrics")
-    missing = [m for m in metrics if m not in result]
-    if missing:
-        raise ConfigError(f"the job's metrics have no {missing} (it has {sorted(result)})")
-    return [float(result[m]) for m in metrics]
 
 
 Launch = Callable[[list[str], int], Any]  # (overrides, trial number) -> the job's return value

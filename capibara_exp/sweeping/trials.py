@@ -9,27 +9,39 @@ import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from capibara_exp import optuna_study
-from capibara_exp.errors import PREEMPTED_EXIT_CODE
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, ConfigError
 from capibara_exp.sweeping import recovery
-from capibara_exp.sweeping import space as space_lib
-from capibara_exp.sweeping.recovery import ERROR, PRUNED_AT, RUN_DIR
+from capibara_exp.sweeping import search_space as space_lib
+from capibara_exp.sweeping.recovery import ERROR
 from capibara_exp.sweeping.retry import StorageUnavailable
-
-if TYPE_CHECKING:
-    from capibara_exp.sweeping.study import SweepSettings
+from capibara_exp.sweeping.settings import (
+    CACHE_KEY,
+    PRUNED_AT,
+    PRUNER_OPTIONS,
+    RUN_DIR,
+    STORAGE_ENV,
+    SUBDIR_KEY,
+    SweepSettings,
+)
 
 log = logging.getLogger(__name__)
 
-PRUNER_OPTIONS = "pruner_options"  # a trial's job rebuilds its sweep's pruner with these
-CACHE_KEY = "compilation_cache_dir"
-SUBDIR_KEY = "hydra.sweep.subdir"  # the job's run dir under the sweep dir
-STORAGE_ENV = "CAPIBARA_SWEEP_STORAGE"
+
+
+def values_of(result: Any, metrics: Sequence[str]) -> list[float]:
+    """The objective values from a job's return value (a mapping of final metrics)."""
+    if not isinstance(result, dict):
+        raise ConfigError(f"the job returned {result!r}, not a mapping of metrics")
+    missing = [m for m in metrics if m not in result]
+    if missing:
+        raise ConfigError(f"the job's metrics have no {missing} (it has {sorted(result)})")
+    return [float(result[m]) for m in metrics]
 
 
 def run_dir(trial: optuna.Trial, sweep_dir: Path) -> Path:
@@ -88,7 +100,6 @@ def preempted(err: BaseException) -> bool:
 def result(outcome: Any, metrics: Sequence[str]) -> dict[str, Any]:
     """What a job's `outcome` (its return value, or the exception it raised) tells the
     study: state, values and user attributes, before the storage is asked anything."""
-    from capibara_exp.sweeping.study import values_of  # the study module imports this one
 
     if isinstance(outcome, BaseException):
         error = f"{type(outcome).__name__}: {outcome}"[:2000]

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 _OWN_KEYS = ("hydra.sweeper.n_workers=", "hydra.sweeper.worker_index=", "hydra.sweep.dir=")
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from capibara_exp import gin_bridge
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import GIN_DIR
-from capibara_exp.topologies import Chip
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import GIN_DIR
+from capibara_exp.base.topologies import Chip
+from capibara_exp.composing import gin_bridge
 from capibara_exp.tuning import profile
 from capibara_exp.tuning.estimate import CALIBRATED, calibration_note, estimate
 
@@ -151,7 +151,7 @@ def compile_step(cfg: DictConfig, devices: Sequence[Any], chip: Chip,
     try:
         lowered, model_flops, coords = lower_step(cfg, devices)
     except (ValueError, ConfigError) as err:  # the mesh/config does not fit
-        return Compiled(False, f"invalid: {_one_line(err)}")
+        return Compiled(False, f"invalid: {one_line(err)}")
     return compile_lowered(lowered, len(devices), chip, model_flops, coords, reserve_bytes)
 
 
@@ -164,7 +164,7 @@ def compile_lowered(lowered: Any, num_devices: int, chip: Chip, model_flops: flo
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises XlaRuntimeError (and others) for OOM and failures
-        return compile_failure(_one_line(err), time.perf_counter() - t0,
+        return compile_failure(one_line(err), time.perf_counter() - t0,
                                time.process_time() - cpu0)
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     memory = memory_per_chip(compiled)
@@ -199,6 +199,6 @@ def check_budget(result: Compiled, chip: Chip, reserve_bytes: float) -> None:
                          f"GiB less a reserve of {reserve_bytes / 2**30:.2f} GiB)")
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 400 else text[:397] + "..."

@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from capibara_exp.paths import CONF_DIR
-from capibara_exp.topologies import Chip
-from capibara_exp.tuning import profile, topology
+from capibara_exp.base import model_facts
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.base.topologies import Chip
+from capibara_exp.tuning import profile, tpu_slice
 from capibara_exp.tuning.estimate import FITTED, StepModel, estimate
 from capibara_exp.tuning.profile import StepProfile
 
@@ -77,18 +78,9 @@ FIT_PARAMETERS = ("mxu_efficiency", "collective_overlap")
 
 
 def maxtext_flops_per_chip(model: dict, batch_size: int, length: int, chips: int) -> float:
-    """MaxText's training FLOPs per chip per step: 6 x parameters x tokens (weights, the
-    logits' embedding, norms; key/value projections at num_kv_heads) + 6 x heads x layers x
-    head_dim x length^2 per sequence (causal)."""
-    d, h, k, f, layers = (model[key] for key in ("emb_dim", "num_heads", "head_dim", "mlp_dim",
-                                                 "num_layers"))
-    kv = model.get("num_kv_heads") or h
-    per_layer = (2 * d * h * k + 2 * d * kv * k + len(model["mlp_activations"]) * d * f
-                 + f * d + 2 * d)
-    params = model["vocab_size"] * d + layers * per_layer + d
-    weights = 6.0 * params * length * batch_size
-    attention = 6.0 * h * layers * k * length * length * batch_size
-    return (weights + attention) / chips
+    """MaxText's training FLOPs per chip per step (model_facts owns the count)."""
+    return model_facts.maxtext_train_flops_per_step(model_facts.sizes(model), batch_size,
+                                                    length) / chips
 
 
 @dataclasses.dataclass
@@ -145,7 +137,7 @@ def compose(experiment: str, overrides: Sequence[str] = ()) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from capibara_exp.resolvers import register_resolvers
+    from capibara_exp.composing.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -200,13 +192,13 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
     import jax
     from omegaconf import OmegaConf
 
-    from capibara_exp import topologies
+    from capibara_exp.base import topologies
     from capibara_exp.tuning import aot
 
     cfg = compose(experiment)
     target = topologies.get(cfg.topology)
     # libtpu reads its flags once per process: one experiment's flags per process.
-    devices = topology.devices(target, cfg.get("libtpu_init_args") or None)
+    devices = tpu_slice.devices(target, cfg.get("libtpu_init_args") or None)
     compiled = aot.compile_step(cfg, devices, target.chip)
     if not compiled.feasible:
         raise RuntimeError(f"{experiment} does not compile for {cfg.topology}: {compiled.reason}")
@@ -221,7 +213,7 @@ def compile_point(experiment: str, where: Path) -> dict[str, Any]:
                   target.chips),
               "device_coords": compiled.profiled["device_coords"],
               "fingerprint": fingerprint(cfg),
-              "jax": jax.__version__, "libtpu": topology.libtpu_version()}
+              "jax": jax.__version__, "libtpu": tpu_slice.libtpu_version()}
     (where / f"{experiment}.json").write_text(json.dumps(record) + "\n")
     return record
 

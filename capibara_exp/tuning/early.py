@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capibara_exp.topologies import Chip
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning import aot
 
 MODULE_RE = "^jit__step$"  # the train step's module only (not its RNG seeding)
@@ -213,7 +213,7 @@ def _child_result(where: Path, wall_s: float, cpu_s: float) -> aot.Compiled:
         lines = (where / "child.log").read_text(errors="replace").strip().splitlines()
         last = lines[-1] if lines else "no output"
         return aot.Compiled(False, f"compile failed: the early-stop child ended without a "
-                            f"result: {aot._one_line(RuntimeError(last))}", wall_s, cpu_s)
+                            f"result: {aot.one_line(RuntimeError(last))}", wall_s, cpu_s)
     data = json.loads(path.read_text())
     data["record"].update(compile_s=wall_s, compile_cpu_s=cpu_s)
     fields = {f: data["record"].pop(f) for f in list(data["record"])
@@ -226,9 +226,9 @@ def child_main(where: Path) -> None:
     knows the dumps it sees are this step's), result.json if the compile ends."""
     from omegaconf import OmegaConf
 
-    from capibara_exp import environment, topologies
-    from capibara_exp.errors import ConfigError
-    from capibara_exp.tuning import topology
+    from capibara_exp.base import environment, topologies
+    from capibara_exp.base.errors import ConfigError
+    from capibara_exp.tuning import tpu_slice as topology
 
     job = json.loads((where / "job.json").read_text())
     environment.import_tensorflow()
@@ -238,7 +238,7 @@ def child_main(where: Path) -> None:
     try:
         lowered, model_flops, coords = aot.lower_step(cfg, devices)
     except (ValueError, ConfigError) as err:
-        result = aot.Compiled(False, f"invalid: {aot._one_line(err)}")
+        result = aot.Compiled(False, f"invalid: {aot.one_line(err)}")
     else:
         (where / "lowered.json").write_text(json.dumps({
             "num_devices": len(devices), "model_flops": model_flops, "coords": coords,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from capibara_exp.topologies import Chip
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning.profile import StepProfile
 
 
@@ -58,7 +58,7 @@ CALIBRATED = dataclasses.replace(DATASHEET, **FITTED)
 # (v5e only; published results on other generations are checked, never fitted) and the
 # worst leave-one-out error of those points, relative (tests/test_step_model.py recomputes
 # it). Per-generation physics (peak, HBM, ICI, DCN) come from the datasheets in
-# capibara_exp/topologies.py; only the efficiencies are fitted.
+# capibara_exp/base/topologies.py; only the efficiencies are fitted.
 CALIBRATED_ON = ("v5e",)
 LEAVE_ONE_OUT_ERROR = 0.056
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from capibara_exp.topologies import Chip
+from capibara_exp.base.topologies import Chip
 
 
 def copy_bytes_per_s(nbytes: int = 1 << 27, repeats: int = 5) -> float:

@@ -11,7 +11,7 @@ backward pass can be counted from the shapes alone:
   one microbatch's share of a chip: `full` keeps each layer's input [B, L, D]; `dots` also
   the q/k/v projections [B, L, H, K] x 3; `none` also, with dot attention, the
   probabilities [B, H, L, L]; the layer input is split over 'model' too when the
-  candidate's activation sharding is `tensor` or `sequence` (logical_axes.py);
+  candidate's activation sharding is `tensor` or `sequence` (base/logical_axes.py);
 - at the update, the gradients: one per parameter, split alike.
 
 The bound is the state plus the larger of the last two. Everything else (temporaries,
@@ -26,10 +26,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from capibara_exp import model_facts
-from capibara_exp.tuning.space import Candidate
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+from capibara_exp.base import model_facts
+from capibara_exp.tuning.mesh_space import Candidate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +68,10 @@ def shapes_of(bindings: dict[str, Any], model_cfg: Any) -> Shapes:
         for leaf, spec in zip(jax.tree.leaves(tree), specs, strict=True):
             names = tuple(spec) if len(spec) == len(leaf.shape) else (None,) * len(leaf.shape)
             leaves.append((tuple(leaf.shape), names, leaf.dtype.itemsize, is_param))
-    return Shapes(tuple(leaves), model_cfg.num_layers, model_cfg.emb_dim, model_cfg.num_heads,
-                  model_cfg.head_dim, length, _DTYPE_BYTES.get(model_cfg.dtype, 4),
-                  model_cfg.get("num_kv_heads") or model_cfg.num_heads, model_cfg.mlp_dim,
-                  len(model_cfg.get("mlp_activations") or [None]),
-                  tuple(model_cfg.get("remat_save") or ()),
+    s = model_facts.sizes(model_cfg)
+    return Shapes(tuple(leaves), s.num_layers, s.emb_dim, s.num_heads, s.head_dim, length,
+                  model_facts.DTYPE_BYTES.get(s.dtype, 4), s.kv_heads, s.mlp_dim,
+                  s.num_mlp_inputs, tuple(model_cfg.get("remat_save") or ()),
                   tuple(model_cfg.get("remat_offload") or ()))
 
 
@@ -127,7 +124,7 @@ def lower_bound(shapes: Shapes, cand: Candidate, rules: Sequence[tuple]) -> floa
     tokens = batch * shapes.length
     heads = shapes.num_heads / cand.model
     per_layer = tokens * saved_per_token(shapes, cand)
-    if cand.remat_policy in ("dots", "minimal", "none"):
+    if cand.remat_policy in (*model_facts.REMAT_DOTS, "none"):
         kv = (shapes.kv_heads or shapes.num_heads) / cand.model
         per_layer += tokens * (heads + 2 * kv) * shapes.head_dim
     if cand.remat_policy == "none" and cand.attention == "dot":

@@ -11,17 +11,18 @@ from __future__ import annotations
 import gzip
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import topologies
-from capibara_exp.errors import ConfigError
-from capibara_exp.topologies import Chip
-from capibara_exp.tuning import aot, confirm, profile, report, search, space, topology
-from capibara_exp.tuning.evaluate import Evaluator
+from capibara_exp.base import model_facts, topologies
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.topologies import Chip
+from capibara_exp.tuning import aot, confirm, mesh_space, plan_report, profile, search, tpu_slice
+from capibara_exp.tuning.evaluator import Evaluator
 
 LOCAL = ("cpu", "local")  # the devices present, not a TPU slice
 STUDY_DB = "mesh_study.db"
@@ -46,7 +47,7 @@ def compile_context(base: DictConfig, early_stop: bool = False) -> dict[str, Any
 
     early = {"compile_mode": "early_stop"} if early_stop else {}
     return {"experiment": OmegaConf.to_container(base, resolve=False),
-            "jax": jax.__version__, "libtpu": topology.libtpu_version(), **early}
+            "jax": jax.__version__, "libtpu": tpu_slice.libtpu_version(), **early}
 
 
 def target(name: str, dtype: str, libtpu_init_args: str | None = None
@@ -65,7 +66,7 @@ def target(name: str, dtype: str, libtpu_init_args: str | None = None
         topo = topologies.get(name)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return (topology.devices(topo, libtpu_init_args), topo.chip,
+    return (tpu_slice.devices(topo, libtpu_init_args), topo.chip,
             f"{topo.name} ({topo.jax_name}, {topo.chips} chips)")
 
 
@@ -116,10 +117,11 @@ def attentions(cfg: DictConfig, local: bool) -> list[str]:
         why.append(f"sequence length {length} (needs a multiple of 128, of 512 above 512)")
     listed = cfg.tune_mesh.get("attentions")
     if listed is None:
-        return ["dot", "splash"] if not why and not local else ["dot"]
+        return list(model_facts.ATTENTIONS) if not why and not local else ["dot"]
     for name in listed:
-        if name not in ("dot", "splash"):
-            raise ConfigError(f"tune_mesh.attentions: '{name}' is not one of ['dot', 'splash']")
+        if name not in model_facts.ATTENTIONS:
+            raise ConfigError(f"tune_mesh.attentions: '{name}' is not one of "
+                              f"{list(model_facts.ATTENTIONS)}")
         if name == "splash" and why:
             raise ConfigError(f"tune_mesh.attentions lists splash, which this model cannot "
                               f"take: {'; '.join(why)}")
@@ -144,10 +146,10 @@ def splash_choices(cfg: DictConfig) -> dict[str, list]:
 
 
 def build_candidates(cfg: DictConfig, chips: int, num_slices: int = 1, local: bool = False
-                     ) -> list[space.Candidate]:
+                     ) -> list[mesh_space.Candidate]:
     s = cfg.tune_mesh
     num_experts = cfg.model.get("num_experts")
-    cands = space.candidates(
+    cands = mesh_space.candidates(
         chips, cfg.model.num_heads, num_experts, cfg.data.batch_size,
         num_microbatches=list(s.num_microbatches), remat_policies=list(s.remat_policies),
         fsdp=list(s.fsdp), per_chip_batch=list(s.per_chip_batch) if s.per_chip_batch else None,
@@ -193,7 +195,7 @@ def search_space(cfg: DictConfig, cands, cache, evaluator, workers: int, out_dir
         return results, replay
     from optuna.trial import TrialState
 
-    from capibara_exp import optuna_study
+    from capibara_exp.base import optuna_study
 
     opened = optuna_study.create_or_load(
         optuna_study.open_storage(f"sqlite:///{out_dir / STUDY_DB}"),
@@ -220,8 +222,6 @@ def budget_deadline(cfg: DictConfig, start: float) -> float | None:
 def cost_of(results, start: float, deadline: float | None, workers: int) -> dict[str, Any]:
     """What the search cost: wall time, compiles made (cached ones cost nothing now) and
     their summed compile time, and whether the budget stopped it."""
-    import time
-
     fresh = list({r.candidate: r for r in results if r.compiled}.values())
     return {"search_s": time.monotonic() - start, "compile_workers": workers,
             "compiles": len(fresh),
@@ -246,6 +246,26 @@ def confirm_cost(fresh: Sequence[search.Result]) -> dict[str, Any]:
             "confirm_s_total": sum(float(r.record.get("compile_s", 0.0)) for r in fresh)}
 
 
+def say_stale(out_dir: Path, cache: search.Cache, full_cache: search.Cache) -> None:
+    """One stderr line when the cache file holds rows compiled under other settings."""
+    stale = sum(c not in (cache.context, full_cache.context) for c in cache.other_contexts())
+    if stale:
+        print(f"capibara-exp-tune-mesh: {stale} cached result(s) in {out_dir / CACHE} were "
+              "compiled under other settings (experiment, libtpu flags or versions): not "
+              "reused", file=sys.stderr)
+
+
+def say_cost(cost: dict[str, Any], workers: int, confirmed: int | None) -> None:
+    """What the search cost, on stderr; `confirmed`: rows compiled in full after early stop."""
+    print(f"capibara-exp-tune-mesh: search took {cost['search_s']:.0f} s: {cost['compiles']} "
+          f"new {'early-stop ' if confirmed is not None else ''}compile(s), "
+          f"{cost['compile_s_total']:.0f} s of compiling on {workers} worker(s)"
+          + (f"; {confirmed} confirmed by a full compile ({cost['confirm_compiles']} new, "
+             f"{cost['confirm_s_total']:.0f} s)" if confirmed is not None else "")
+          + ("; stopped at tune_mesh.budget_s" if cost["stopped_at_budget"] else ""),
+          file=sys.stderr)
+
+
 def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The task function: search, report, write the partitioning entry; the winner's record."""
     s = cfg.tune_mesh
@@ -265,13 +285,7 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
     early_stop = bool(s.get("early_stop")) and cfg.topology not in LOCAL
     cache = open_cache(out_dir, base, early_stop, len(devices), chip)
     full_cache = open_cache(out_dir, base, False, len(devices), chip) if early_stop else cache
-    stale = sum(c not in (cache.context, full_cache.context) for c in cache.other_contexts())
-    if stale:
-        print(f"capibara-exp-tune-mesh: {stale} cached result(s) in {out_dir / CACHE} were "
-              "compiled under other settings (experiment, libtpu flags or versions): not "
-              "reused", file=sys.stderr)
-    import time
-
+    say_stale(out_dir, cache, full_cache)
     start = time.monotonic()
     deadline = budget_deadline(cfg, start)
     pool, workers = _pool(cfg)
@@ -291,16 +305,10 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
     cost = cost_of([r for r in searched if r.candidate not in cached], start, deadline, workers)
     cost.update(confirm_cost([r for r in fulls if r.candidate not in fully_cached]))
     winner = search.best(results)
-    summary = report.write(out_dir, cfg, where, chip, cands, results, winner, replay, cost)
-    print(f"capibara-exp-tune-mesh: search took {cost['search_s']:.0f} s: {cost['compiles']} "
-          f"new {'early-stop ' if early_stop else ''}compile(s), "
-          f"{cost['compile_s_total']:.0f} s of compiling on {workers} worker(s)"
-          + (f"; {len(fulls)} confirmed by a full compile ({cost['confirm_compiles']} new, "
-             f"{cost['confirm_s_total']:.0f} s)" if early_stop else "")
-          + ("; stopped at tune_mesh.budget_s" if cost["stopped_at_budget"] else ""),
-          file=sys.stderr)
+    summary = plan_report.write(out_dir, cfg, where, chip, cands, results, winner, replay, cost)
+    say_cost(cost, workers, len(fulls) if early_stop else None)
     if winner is not None:
-        path, command = report.write_partitioning(cfg, base, winner, moe, s.conf_dir, out_dir,
+        path, command = plan_report.write_partitioning(cfg, base, winner, moe, s.conf_dir, out_dir,
                                                   s.partitioning_name, task_overrides)
         summary.update(partitioning_file=str(path), command=command)
         print(f"capibara-exp-tune-mesh: best {winner.candidate.key}; wrote {path}\n"
@@ -308,5 +316,5 @@ def run(cfg: DictConfig, out_dir: Path, task_overrides: Sequence[str] = ()) -> d
     else:
         print("capibara-exp-tune-mesh: no feasible candidate; see the report for why",
               file=sys.stderr)
-    print(f"capibara-exp-tune-mesh: report {out_dir / report.REPORT_MD}", file=sys.stderr)
+    print(f"capibara-exp-tune-mesh: report {out_dir / plan_report.REPORT_MD}", file=sys.stderr)
     return summary

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-# Host memory one compile of a real model may take (DESIGN.md measured 0.9-5.3 GB).
+# Host memory one compile of a real model may take (docs/design.md: 0.9-5.3 GB measured).
 WORKER_HOST_BYTES = 3 << 30
 
 
@@ -42,8 +42,8 @@ _DEVICES: list[Any] = []  # the worker's topology devices, described once
 
 
 def _init(topology_name: str) -> None:
-    from capibara_exp import environment, topologies
-    from capibara_exp.tuning import topology
+    from capibara_exp.base import environment, topologies
+    from capibara_exp.tuning import tpu_slice as topology
 
     environment.import_tensorflow()  # the candidates' gin imports seqio: without its notices
 

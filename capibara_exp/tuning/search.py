@@ -25,10 +25,10 @@ from typing import Any
 
 import optuna
 
-from capibara_exp import optuna_study
-from capibara_exp.errors import ConfigError
-from capibara_exp.logical_axes import ACTIVATION_SHARDINGS
-from capibara_exp.tuning.space import REMAT_POLICIES, Candidate
+from capibara_exp.base import optuna_study
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.logical_axes import ACTIVATION_SHARDINGS
+from capibara_exp.tuning.mesh_space import REMAT_POLICIES, Candidate
 
 SEARCH_KEY = "tune_mesh.search"  # the config key naming the sampler, for errors
 OBJECTIVE = "est_mfu"  # maximised; with a fixed global batch, the same order as step time

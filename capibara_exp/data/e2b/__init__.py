@@ -5,6 +5,6 @@ and records read logs (the SDK's shape or the project's) strictly, quarantine (a
 reasons) keeps the bad lines; scrub/ (a detector by context, measured on heldout/)
 removes secrets; features, processing and playbooks make examples; build writes them,
 at_rest reads every written file once more, and report says what it did. Nothing here imports
-SeqIO or TensorFlow: the training side (capibara_exp/data/routing_tasks.py) imports
-`build` to build on first read, and nothing else from here.
+SeqIO or TensorFlow: the training side (the SeqIO tasks) imports `built`, which reads the
+manifest and never builds, and nothing else from here.
 """

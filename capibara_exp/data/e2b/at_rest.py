@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from capibara_exp.data.corpus import atomic_write
+from capibara_exp.base import atomic
 from capibara_exp.data.e2b import scrub
 
 # The header and sections routing.render_execution writes: the code is read as code.
@@ -79,7 +79,7 @@ def scrub_file(path: Path) -> Counter:
         found.update(counts)
         out = text.encode()
     if found:
-        atomic_write(path, out)
+        atomic.write_bytes(path, out)
     return found
 
 

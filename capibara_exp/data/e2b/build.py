@@ -6,7 +6,7 @@ examples (domain, difficulty, split). The manifest records counts per input file
 sha256 of every file the build wrote, the filters, the quarantine counts, the scrubbing
 figures and the fingerprint of the build config: a run whose data are already built for
 the same config reuses them, so the first run that needs the data builds them and the
-others wait. A build holds `<data_dir>/e2b_routing/.capibara.lock` (capibara_exp.run_lock):
+others wait. A build holds `<data_dir>/e2b_routing/.capibara.lock` (capibara_exp.base.run_lock):
 a second `capibara-exp-data` on the same data dir is refused with the holder's pid and host.
 """
 
@@ -22,26 +22,25 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from capibara_exp import run_lock
+from capibara_exp.base import atomic, run_lock
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data import routing
-from capibara_exp.data.corpus import atomic_write
 from capibara_exp.data.e2b import (
     at_rest,
+    build_report,
     collector,
     heldout,
     playbooks,
     processing,
-    report,
     sandbox,
     scrub,
 )
+from capibara_exp.data.e2b.build_report import BuildError
+from capibara_exp.data.e2b.built import DATASET, dataset_dir
 from capibara_exp.data.e2b.heldout import generated
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.records import parse_records
-from capibara_exp.data.e2b.report import BuildError
-from capibara_exp.errors import ConfigError
 
-DATASET = "e2b_routing"
 SOURCES = ("e2b_logs", "ace_playbooks")
 _KEYS = (
     "collect",
@@ -59,15 +58,11 @@ _OUTPUT_DIRS = ("logs", "examples", "playbooks", "quarantine", "routing", "sourc
 __all__ = ["BuildError", "build", "build_config", "dataset_dir", "ensure_built", "summary"]
 
 
-def dataset_dir(data_dir: str | os.PathLike) -> Path:
-    return Path(data_dir) / DATASET
-
-
 def default_config() -> dict:
     """The build settings shipped in conf/data_build.yaml (without data_dir and force)."""
     import yaml
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     cfg = yaml.safe_load((CONF_DIR / "data_build.yaml").read_text())
     return {k: cfg[k] for k in _KEYS}
@@ -81,7 +76,7 @@ def fingerprint(cfg: dict) -> str:
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    atomic.write_lines(path, (json.dumps(r, ensure_ascii=False) for r in rows))
 
 
 def scrubbing_report(sc: dict) -> dict:
@@ -170,9 +165,9 @@ def _examples(out: Path, cfg: dict, log_q: Quarantine, written: list[Path], inpu
     )
     log_q.write(_quarantine_path(out, "logs"), root=out)
     written.append(_quarantine_path(out, "logs"))
-    per_input = report.per_input(ignored, stats["per_file"], log_q, root=out)
-    report.check_inputs(per_input, cfg, _quarantine_path(out, "logs"))
-    report.check_examples(examples, stats, log_q, cfg, _quarantine_path(out, "logs"))
+    per_input = build_report.per_input(ignored, stats["per_file"], log_q, root=out)
+    build_report.check_inputs(per_input, cfg, _quarantine_path(out, "logs"))
+    build_report.check_examples(examples, stats, log_q, cfg, _quarantine_path(out, "logs"))
     _write_jsonl(out / "examples" / "examples.jsonl", examples)
     written.append(out / "examples" / "examples.jsonl")
     return examples, stats, collection, per_input
@@ -248,8 +243,8 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
     examples, proc_stats, collection, per_input = _examples(out, cfg, log_q, written, inputs)
     kept, pb_stats = _playbooks(out, cfg, examples, pb_q, written)
     rows = _routing_rows(examples, kept, cfg["splits"])
-    left_out = report.left_out_tasks(rows, SOURCES)
-    report.check_domains(left_out, cfg)
+    left_out = build_report.left_out_tasks(rows, SOURCES)
+    build_report.check_domains(left_out, cfg)
     written += _write_tasks(out, rows)
     for stale in set(_files(out)) - set(written):
         stale.unlink()  # left by an earlier build with other settings; not part of this one
@@ -259,19 +254,19 @@ def build(data_dir: str | os.PathLike, cfg: dict) -> dict:
         "fingerprint": fingerprint(cfg),
         "config": {k: cfg[k] for k in _KEYS},
         "inputs": per_input,
-        "warnings": report.warnings(left_out),
+        "warnings": build_report.warnings(left_out),
         "secret_scrubbing": scrubbing,
         "sandbox_network": sandbox.network_isolation(),
         "collection": collection,
         "processing": {k: v for k, v in proc_stats.items() if k != "per_file"},
         "playbooks": pb_stats,
         "quarantine": {"logs": log_q.summary(), "playbooks": pb_q.summary()},
-        "routing": {**report.routing_stats(rows), "left_out": left_out},
+        "routing": {**build_report.routing_stats(rows), "left_out": left_out},
         "secrets_found_at_rest": found_at_rest,
-        "files": {str(p.relative_to(out)): report.sha256(p) for p in _files(out)},
+        "files": {str(p.relative_to(out)): build_report.sha256(p) for p in _files(out)},
     }
     manifest = scrub.scrub_tree(manifest)[0]
-    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
+    atomic.write_bytes(out / "manifest.json", json.dumps(manifest, indent=2).encode())
     return manifest
 
 

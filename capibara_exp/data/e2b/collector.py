@@ -19,9 +19,9 @@ from pathlib import Path
 
 from e2b_code_interpreter.models import Execution, ExecutionError, Logs, Result
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data.e2b import processing, sandbox, snippets
 from capibara_exp.data.e2b.records import ExecutionRecord, write_records
-from capibara_exp.errors import ConfigError
 
 SOURCES: dict[str, Callable[[], Iterator[snippets.Snippet]]] = {
     "stdlib_doctests": snippets.stdlib_doctests,

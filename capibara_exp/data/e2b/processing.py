@@ -15,11 +15,11 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data.e2b import features, records, scrub
 from capibara_exp.data.e2b.quarantine import Quarantine
 from capibara_exp.data.e2b.reasons import PROCESSING_ERROR
 from capibara_exp.data.e2b.records import ExecutionRecord
-from capibara_exp.errors import ConfigError
 
 # What a dedup key may be made of (filters.dedup): the code (comments, case of SQL and
 # whitespace normalised away), stdout, stderr, the results' text, the error's name and

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.runtime import checkpoints, integrity
 
 POINTER = checkpoints.LORA_POINTER

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.runtime import checkpoints
 from capibara_exp.runtime.lora import adapters, base
 from capibara_exp.runtime.lora.model import LoraModel

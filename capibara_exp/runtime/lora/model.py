@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import traverse_util
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.runtime import checkpoints
 from capibara_exp.runtime.lora import adapters, base, quantize, targets
 from capibara_exp.runtime.trainer import FrozenInputs

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from flax import traverse_util
 from flax.linen import partitioning as nn_partitioning
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 LAYERS_AXIS = "layers"  # nn.scan's stacking axis (nets.Decoder with scan_layers)
 EXPERT_AXIS = "expert"
@@ -76,7 +76,7 @@ def _check_axes(target_axes: Sequence[Sequence[str]], params_axes: Mapping) -> s
                           f"(e.g. [[embed, joined_kv]]), got {target_axes!r}")
     # A name neither this model nor the logical axis rules know is a typo; a known kind this
     # model lacks (experts, for a dense model under lora=all) just matches nothing.
-    from capibara_exp.runtime.moe import standard_logical_axis_rules
+    from capibara_exp.runtime.contrib_moe import standard_logical_axis_rules
 
     used = {n for names in axis_names(params_axes).values() for n in names}
     known = used | {name for name, _ in standard_logical_axis_rules()}

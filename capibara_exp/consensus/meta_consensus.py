@@ -26,8 +26,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from capibara_exp import cross_rules
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.composing import cross_rules
 
 REPORT = "meta_report.json"
 # (overrides) -> (the composed, checked config of one run, its config-group choices)
@@ -69,7 +69,7 @@ def strategies(cfg: DictConfig) -> list[Strategy]:
 
 def check(mc: DictConfig, members: list[Strategy]) -> None:
     """The gate's and the merge's settings, before anything trains (one line each)."""
-    from capibara_exp.consensus.registry import spec_from
+    from capibara_exp.composing.merge_methods import spec_from
 
     g = mc.gate
     split, _, name = str(g.metric).partition("/")
@@ -194,11 +194,11 @@ def run(cfg: DictConfig, compose: Composer, train: Callable[..., Any],
 
 
 def _merge(mc: DictConfig, out: Path, passing: list[Strategy]) -> dict:
-    from capibara_exp.consensus import evaluate, store
+    from capibara_exp.composing.merge_methods import spec_from
     from capibara_exp.consensus import run as run_parts
+    from capibara_exp.consensus import store, validation
     from capibara_exp.consensus.gate import GateConfig
     from capibara_exp.consensus.merge import merge
-    from capibara_exp.consensus.registry import spec_from
 
     params = dict(OmegaConf.to_container(mc.merge.params) or {})
     if mc.merge.method in WEIGHTED:
@@ -207,7 +207,7 @@ def _merge(mc: DictConfig, out: Path, passing: list[Strategy]) -> dict:
     candidates = [store.candidate_from_path(out / "members" / s.name, name=s.name)
                   for s in passing]
     first = out / "members" / passing[0].name
-    evaluator, held_out = evaluate.from_parts(run_parts.load_parts(first / "config.gin"))
+    evaluator, held_out = validation.from_parts(run_parts.load_parts(first / "config.gin"))
     merged_dir = out / "merged"
     if merged_dir.exists():  # the merge is redone from the members (its inputs)
         shutil.rmtree(merged_dir)

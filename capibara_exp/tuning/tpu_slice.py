@@ -3,7 +3,7 @@
 With libtpu installed, JAX compiles for a TPU topology on a machine without TPUs
 (`jax.experimental.topologies.get_topology_desc`): the devices it returns carry their
 physical coordinates and slice, can hold a mesh and a compiled step, but run nothing. The
-slices themselves and their chip figures are capibara_exp/topologies.py.
+slices themselves and their chip figures are capibara_exp/base/topologies.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import importlib.util
 import os
 from typing import Any
 
-from capibara_exp.errors import ConfigError
-from capibara_exp.topologies import Topology, export_libtpu_flags, libtpu_environment
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.topologies import Topology, export_libtpu_flags, libtpu_environment
 
 
 def libtpu_installed() -> bool:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
-from capibara_exp.environment import copy_to_run_log
+from capibara_exp.base.environment import copy_to_run_log
 
 SHOW_AFTER_S = 3.0
 NOTE_EVERY_S = 15.0

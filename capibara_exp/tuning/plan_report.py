@@ -12,13 +12,14 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.paths import CONF_DIR
-from capibara_exp.topologies import Chip
+from capibara_exp.base import model_facts
+from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.estimate import calibration_note
 from capibara_exp.tuning.measure import spearman
+from capibara_exp.tuning.mesh_space import Candidate
 from capibara_exp.tuning.search import Result
-from capibara_exp.tuning.space import Candidate
 
 REPORT_MD = "mesh_report.md"
 REPORT_PNG = "mesh_report.png"
@@ -250,7 +251,7 @@ def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: b
             "trainer": {"num_microbatches": merged.trainer.num_microbatches},
             "model": {"remat_policy": merged.model.remat_policy,
                       "attention": merged.model.attention}}
-    if merged.model.remat_policy in ("offload", "custom"):  # its per-tensor lists
+    if merged.model.remat_policy in model_facts.REMAT_WITH_LISTS:  # its per-tensor lists
         body["model"].update({k: list(merged.model.get(k) or [])
                               for k in ("remat_save", "remat_offload")})
     if cand.batch_size != base.data.batch_size:

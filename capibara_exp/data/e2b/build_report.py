@@ -12,10 +12,10 @@ import hashlib
 from collections import Counter
 from pathlib import Path
 
+from capibara_exp.base.errors import ConfigError
 from capibara_exp.data import routing
 from capibara_exp.data.e2b.processing import Filters, NoExamplesError
 from capibara_exp.data.e2b.quarantine import Quarantine
-from capibara_exp.errors import ConfigError
 
 
 class BuildError(ConfigError):

@@ -6,7 +6,7 @@ a checkout or an editable install has them at the top level.
 
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # capibara_exp/
 
 
 def _find(top_level: str, installed: str) -> Path:

@@ -1,12 +1,12 @@
 """The mesh planner's search space: mesh shapes, microbatches, remat, FSDP, per-chip batch.
 
-Activation sharding (logical_axes.py) is searched only where the mesh has a model axis: with
+Activation sharding (base/logical_axes.py) is searched only where the mesh has a model axis: with
 one model partition `tensor` and `sequence` lay activations out as `batch` does.
 
 A candidate is a set of Hydra overrides on the experiment (partitioning, trainer and model
 keys), so compiling it is compiling the experiment as a user would run it. Shapes that
 cannot work are left out before anything compiles, by the partitioners' own rule
-(capibara_exp/meshes.py): model partitions that do not divide the chips or the heads,
+(capibara_exp/base/meshes.py): model partitions that do not divide the chips or the heads,
 expert partitions that do not divide the experts, microbatches that do not split the batch
 over the batch shards, and over several slices, meshes whose data axis does not hold them.
 """
@@ -17,13 +17,11 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 
-from capibara_exp import meshes
-from capibara_exp.logical_axes import ACTIVATION_SHARDINGS
+from capibara_exp.base import meshes, model_facts
+from capibara_exp.base.logical_axes import ACTIVATION_SHARDINGS
 
-# Searchable policies (nets/remat.py), from the most saved to the least ('custom' takes its
-# lists from the experiment and is not searched; 'offload' moves the layer inputs to host).
-REMAT_POLICIES = ("none", "dots", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
-                  "save_qkv_proj", "offload", "full")
+# Searchable policies, from the most saved to the least (model_facts owns the list).
+REMAT_POLICIES = model_facts.REMAT_SEARCHED
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -36,7 +34,7 @@ class Candidate:
     fsdp: bool  # parameters also sharded over 'data' (parameter_partitioning_dims=2)
     batch_size: int  # global
     attention: str = "dot"  # model.attention: dot | splash (nets/attention.py)
-    activation_sharding: str = "batch"  # partitioning.activation_sharding (logical_axes.py)
+    activation_sharding: str = "batch"  # partitioning.activation_sharding (base/logical_axes.py)
     splash_block: int = 512  # model.splash_block (splash only: its kernel's blocks)
     splash_fused_bwd: bool = False  # model.splash_fused_bwd (splash only)
 

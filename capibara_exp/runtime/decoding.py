@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capibara_exp.generation import stopping
+from capibara_exp.runtime import stopping
 
 METHODS = ("greedy", "sample", "beam")
 
@@ -66,7 +66,7 @@ class Sampling:
 
 def decode_fn(s: Sampling) -> Any:
     """The t5x.decoding function and its fixed arguments. Sampling and greedy decoding end
-    once every row has emitted EOS or a stop (generation/stopping.py); beam search ends at
+    once every row has emitted EOS or a stop (runtime/stopping.py); beam search ends at
     EOS or max length, its stops cut afterwards."""
     from t5x import decoding
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp import gin_actions
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.composing import gin_actions
 
 GIN_GROUPS = ("trainer", "data", "model", "optimizer", "schedule", "partitioning", "checkpoint")
 # Groups that are off (null) unless chosen; when chosen they work like the groups above.
@@ -53,13 +53,13 @@ ENGINE_HEADERS: dict[str, tuple[str, ...]] = {
         "from capibara_exp.runtime import optimizers",
         "from capibara_exp.runtime import partitioning",
         "from capibara_exp.runtime import trainer",
-        "from capibara_exp.runtime import config as utils",
+        "from capibara_exp.runtime import utils",
         # optax whose numbers are optimizer state: a sweep's trials share one compiled step
         "from capibara_exp.runtime import hyperparams",
         # one module holds t5x.contrib.moe's model, partitioner and trainer
-        "from capibara_exp.runtime import moe as moe_models",
-        "from capibara_exp.runtime import moe as moe_partitioning",
-        "from capibara_exp.runtime import moe as moe_trainer",
+        "from capibara_exp.runtime import contrib_moe as moe_models",
+        "from capibara_exp.runtime import contrib_moe as moe_partitioning",
+        "from capibara_exp.runtime import contrib_moe as moe_trainer",
     ),
 }
 COMMON_IMPORTS = (
@@ -206,7 +206,7 @@ def render_body(cfg: DictConfig, templates_dir: Path,
 
 def _user_parts(cfg: DictConfig, templates: list[Template]) -> list[str]:
     """gin_files, gin_bindings and the one actions binding joining the templates' actions
-    with the user's (gin_actions.py)."""
+    with the user's (composing/gin_actions.py)."""
     _check_actions(templates)
     out: list[str] = []
     user_files = _gin_files(cfg)
@@ -299,7 +299,7 @@ def _user_gin_lines(path: Path, search: list[str], seen: tuple[str, ...]) -> lis
 
 
 def _check_actions(templates: list[Template]) -> None:
-    """Templates name their actions `<MODE>_ACTION_<NAME> = @...` (gin_actions.py joins
+    """Templates name their actions `<MODE>_ACTION_<NAME> = @...` (composing/gin_actions.py joins
     them, with the user's, into one `train_script.train.actions`); none binds it itself."""
     for t in templates:
         if _ACTIONS_BINDING_RE.search(t.text):

@@ -1,4 +1,5 @@
-"""T5X's `utils` config surface for the local engine (gin: `from ... import config as utils`).
+"""T5X's `utils` config surface for the local engine (gin: `from capibara_exp.runtime import
+utils`).
 
 Same names, parameters and meanings as t5x/utils.py for what the local runtime does; a
 T5X parameter it does not implement is an error naming it, never silently ignored.
@@ -12,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+
+from capibara_exp.base import model_facts
 
 
 class UnsupportedParameter(ValueError):
@@ -160,8 +163,9 @@ class CheckpointConfig:
 
 
 def _check_dtype(where: str, dtype: str) -> None:
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"{where}: '{dtype}' is not one of 'float32', 'bfloat16'")
+    if dtype not in model_facts.DTYPES:
+        raise ValueError(f"{where}: '{dtype}' is not one of "
+                         f"{', '.join(map(repr, model_facts.DTYPES))}")
 
 
 _FACTORS = ("constant", "linear_warmup", "rsqrt_decay", "rsqrt_normalized_decay", "decay_every",

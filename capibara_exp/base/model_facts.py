@@ -18,9 +18,16 @@ from typing import Any
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "silu", "linear")  # gelu: tanh approximation
 DTYPES = ("float32", "bfloat16")
 POSITION_EMBEDDINGS = ("relative", "rope")
-# nets/remat.py: MaxText's names; `offload` / `custom` take per-tensor lists of REMAT_NAMES
-REMAT_POLICIES = ("none", "full", "dots", "minimal", "save_dot_except_mlpwi",
-                  "save_dot_except_mlp", "save_qkv_proj", "offload", "custom")
+# nets/remat.py: MaxText's names; these take per-tensor lists of REMAT_NAMES
+# (model.remat_save / remat_offload)
+REMAT_WITH_LISTS = ("offload", "custom")
+REMAT_DOTS = ("dots", "minimal")  # every matmul output saved, no tensor named
+REMAT_POLICIES = ("none", "full", *REMAT_DOTS, "save_dot_except_mlpwi", "save_dot_except_mlp",
+                  "save_qkv_proj", *REMAT_WITH_LISTS)
+# The planner's search (tuning/mesh_space.py), from the most saved to the least ('custom' takes
+# its lists from the experiment and is not searched; 'offload' moves the layer inputs to host).
+REMAT_SEARCHED = ("none", "dots", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
+                  "save_qkv_proj", "offload", "full")
 # the tensors the layers tag with checkpoint_name (MaxText's names)
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context",
                "out_proj", "mlpwi", "mlpwo")
@@ -51,10 +58,11 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 NORM_PLACEMENTS = ("pre", "pre_post")
 # byte: seqio's ByteVocabulary; sentencepiece: a .model file; tokenizer_json: a Hugging
 # Face tokenizer.json (the `tokenizers` library)
-VOCABULARIES = ("byte", "sentencepiece", "tokenizer_json")
+FILE_VOCABULARIES = ("sentencepiece", "tokenizer_json")  # read from model.vocabulary_path
+VOCABULARIES = ("byte", *FILE_VOCABULARIES)
 BYTE_VOCAB_SIZE = 259  # ByteVocabulary: 256 bytes and 3 special ids
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # keys: DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +192,11 @@ def train_flops_per_token(s: Sizes, length: int) -> float:
 
 def maxtext_train_flops_per_step(s: Sizes, batch_size: int, length: int) -> float:
     """MaxText's count of training FLOPs per step (its reported MFU divides by this): 6 x
-    all parameters x tokens (norms and tied embedding included) + 6 x heads x layers x
-    head_dim x length^2 per sequence (causal: half of PaLM's attention term)."""
-    params = counts(s).total
+    parameters x tokens (norms and the logits' embedding included; an untied input table is
+    a lookup, not counted) + 6 x heads x layers x head_dim x length^2 per sequence (causal:
+    half of PaLM's attention term)."""
+    every = counts(s)
+    params = every.total - (0 if s.tied else every.embedding)
     weights = 6.0 * params * length * batch_size
     attention = sum(6.0 * s.num_heads * s.head_dim * length * attended_length(s, layer, length)
                     for layer in range(s.num_layers)) * batch_size
@@ -196,7 +206,7 @@ def maxtext_train_flops_per_step(s: Sizes, batch_size: int, length: int) -> floa
 def kv_cache_bytes(s: Sizes, batch_size: int, length: int, dtype: str | None = None) -> int:
     """Bytes of a decoding cache: keys and values of every layer for `length` positions."""
     per_layer = 2 * batch_size * s.kv_heads * s.head_dim * length
-    return per_layer * s.num_layers * _DTYPE_BYTES[dtype or s.dtype]
+    return per_layer * s.num_layers * DTYPE_BYTES[dtype or s.dtype]
 
 
 def lcm_period(*periods: int | None) -> int:

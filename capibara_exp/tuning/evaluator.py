@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from capibara_exp.errors import ConfigError
-from capibara_exp.topologies import Chip
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning import aot, early, memory
-from capibara_exp.tuning.space import Candidate
+from capibara_exp.tuning.mesh_space import Candidate
 
 HLO_DIR = "hlo"
 GIB = 2**30
@@ -48,8 +48,8 @@ def save_hlo(out_dir: Path, cand: Candidate, text: str) -> str:
 
 def rules_for(cand: Candidate, moe: bool) -> tuple:
     """The logical axis rules the candidate's partitioner uses."""
-    from capibara_exp.logical_axes import activation_axis_rules
-    from capibara_exp.runtime import moe as moe_runtime
+    from capibara_exp.base.logical_axes import activation_axis_rules
+    from capibara_exp.runtime import contrib_moe as moe_runtime
     from capibara_exp.runtime import partitioning
 
     dims = 2 if cand.fsdp else 1

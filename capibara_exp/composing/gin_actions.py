@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 from gin import config_parser
 
 MODES = ("TRAIN", "TRAIN_EVAL", "INFER_EVAL")  # T5X's action modes

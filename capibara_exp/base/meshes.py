@@ -1,7 +1,7 @@
 """The mesh rule: a device mesh's axis sizes, and what must divide them.
 
-One definition used by the partitioners (runtime/partitioning.py, runtime/moe.py), the
-trainer's batch check and the mesh planner's search space (tuning/space.py). Pure
+One definition used by the partitioners (runtime/partitioning.py, runtime/contrib_moe.py), the
+trainer's batch check and the mesh planner's search space (tuning/mesh_space.py). Pure
 functions of integers: no JAX, no devices. Errors are ValueErrors that name the setting and
 the sizes, raised before anything compiles.
 

@@ -18,9 +18,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from capibara_exp import config_schema
-from capibara_exp.errors import ConfigError
-from capibara_exp.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
+from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.paths import CONF_DIR, GIN_DIR, SWEEPS_ROOT
+from capibara_exp.composing import config_schema
 
 COMMAND_LINE = "the command line"
 
@@ -98,7 +98,9 @@ def check(comp: Composition, missing_ok: bool = False) -> None:
     """Raise ConfigError (one line) for the first problem of the composed config.
     `missing_ok` (a config only shown, `--cfg job`): a mandatory value not given (`???`) is
     shown as Hydra shows it, not refused; the rules across keys then wait for the run."""
-    from capibara_exp import cross_rules  # (not for a command line refused while composing)
+    from capibara_exp.composing import (
+        cross_rules,  # (not for a command line refused while composing)
+    )
 
     raw = OmegaConf.to_container(comp.cfg, resolve=False)
     raw.pop("hydra", None)

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from capibara_exp import meshes
+from capibara_exp.base import meshes
 from capibara_exp.data import packing
 from capibara_exp.runtime import partitioning
-from capibara_exp.runtime.config import reject_unsupported
 from capibara_exp.runtime.models import Batch, DecoderOnlyModel
 from capibara_exp.runtime.trainer import Trainer
+from capibara_exp.runtime.utils import reject_unsupported
 
 # The names t5x.contrib.moe's models average over layers (it fails when one is missing).
 MOE_METRICS = ("auxiliary_loss", "router_z_loss", "fraction_tokens_left_behind",

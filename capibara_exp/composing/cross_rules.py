@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from capibara_exp import config_schema, model_facts
+from capibara_exp.base import model_facts
+from capibara_exp.composing import config_schema
 
 
 def show(value: Any) -> str:
@@ -87,7 +88,7 @@ def _remat(v: dict[str, Any]) -> Found:
     policy = v.get("model.remat_policy")
     save, offload = v.get("model.remat_save") or [], v.get("model.remat_offload") or []
     for key, values in (("model.remat_save", save), ("model.remat_offload", offload)):
-        if values and policy not in ("offload", "custom"):
+        if values and policy not in model_facts.REMAT_WITH_LISTS:
             return key, (f"lists tensors, which only model.remat_policy=offload or custom "
                          f"reads (got {policy})")
     both = sorted(set(save) & set(offload))
@@ -125,9 +126,9 @@ def _initial_checkpoint(v: dict[str, Any]) -> Found:
 def _vocabulary(v: dict[str, Any]) -> Found:
     kind, path, size = (v.get("model.vocabulary"), v.get("model.vocabulary_path"),
                         v.get("model.vocab_size"))
-    if kind in ("sentencepiece", "tokenizer_json") and not isinstance(path, str):
+    if kind in model_facts.FILE_VOCABULARIES and not isinstance(path, str):
         return "model.vocabulary_path", f"must name the tokenizer file with vocabulary={kind}"
-    if isinstance(path, str) and kind in ("sentencepiece", "tokenizer_json") and \
+    if isinstance(path, str) and kind in model_facts.FILE_VOCABULARIES and \
             not os.path.isfile(os.path.expanduser(path)):
         return "model.vocabulary_path", f"{path} is not a file"
     if kind == "byte" and isinstance(size, int) and size < model_facts.BYTE_VOCAB_SIZE:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from capibara_exp import model_facts, topologies
+from capibara_exp.base import model_facts, topologies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Rule:
     valid: Callable[[Any], bool] | None = None  # a test beyond kind and range
     says: str = ""  # what `valid` allows, for the message
     # The problem with a value in words ("must be ..."), from the table that owns the rule
-    # (consensus/registry.py's parameter checks); None when the value is allowed.
+    # (composing/merge_methods.py's parameter checks); None when the value is allowed.
     explain: Callable[[Any], str | None] | None = None
 
     def problem(self, value: Any) -> str | None:
@@ -235,7 +235,7 @@ RULES: dict[str, Rule] = {
     "partitioning.activation_sharding": Choice("batch", "tensor", "sequence"),
     # checkpoint
     "checkpoint.checkpoint_period": POSITIVE, "checkpoint.checkpoints_to_keep": Int(1, null=True),
-    "checkpoint.checkpoint_dtype": Choice("float32", "bfloat16"),
+    "checkpoint.checkpoint_dtype": Choice(*model_facts.DTYPES),
     "checkpoint.initial_checkpoint": PathRule(null=True),
     # engine
     "engine.name": Choice("local", "t5x", "tpu_vm"), "engine.runtime": Choice("t5x", "local"),
@@ -280,19 +280,18 @@ RULES: dict[str, Rule] = {
     "tune_mesh.num_microbatches": ListOf(POSITIVE), "tune_mesh.fsdp": ListOf(Rule("bool")),
     "tune_mesh.remat_policies": ListOf(Choice(*model_facts.REMAT_POLICIES[:-1])),  # not custom
     "tune_mesh.splash_fused_bwd": ListOf(Rule("bool"), null=True),
-    "tune_mesh.splash_blocks": ListOf(Int(128), null=True),
+    "tune_mesh.splash_blocks": ListOf(Int(128), null=True), "tune_mesh.confirm_top": Int(0),
     "tune_mesh.activation_shardings": ListOf(Choice("batch", "tensor", "sequence")),
-    "tune_mesh.attentions": ListOf(Choice("dot", "splash"), null=True),
+    "tune_mesh.attentions": ListOf(Choice(*model_facts.ATTENTIONS), null=True),
     "tune_mesh.compile_workers": Int(1, null=True), "tune_mesh.seed": Int(0),
     "tune_mesh.measure_steps": POSITIVE, "tune_mesh.replay_seeds": POSITIVE,
-    "tune_mesh.early_stop": Rule("bool"), "tune_mesh.confirm_top": Int(0),
     **dict.fromkeys(("tune_mesh.partitioning_name", "tune_mesh.conf_dir"), Rule("str", null=True)),
 }
 
 # capibara-exp-merge (conf/merge.yaml) and capibara-exp-data (conf/data_build.yaml).
 MERGE_RULES: dict[str, Rule] = {
     # The merge methods' own parameters (weights, num_byzantine, ...) take their rules from
-    # consensus/registry.py (merge_param_rule).
+    # composing/merge_methods.py (merge_param_rule).
     "runs": Rule("any", valid=lambda v: all(isinstance(r, str) and _a_path(r) for r in (
         [v] if isinstance(v, str) else v if isinstance(v, list | tuple) else [None])),
         says="a run or checkpoint dir, or a list of them (no empty path)"),
@@ -330,7 +329,8 @@ DATA_BUILD_RULES: dict[str, Rule] = {
     "splits.validation_percent": Int(0, le=100), "splits.test_percent": Int(0, le=100),
     "secret_scrubbing.min_recall": Float(0.0, le=1.0),
 }
-# capibara-exp-meta (conf/meta.yaml, conf/meta_consensus/; meta_consensus.py checks the rest)
+# capibara-exp-meta (conf/meta.yaml, conf/meta_consensus/; consensus/meta_consensus.py
+# checks the rest)
 META_RULES: dict[str, Rule] = {
     "out": PathRule(), "meta_consensus.gate.threshold": Float(null=True),
     "meta_consensus.gate.max_ratio": Float(1.0, null=True),
@@ -343,27 +343,27 @@ RULES_BY_CONFIG = {"config": RULES, "merge": MERGE_RULES, "data_build": DATA_BUI
 
 
 def merge_method_rule() -> Rule:
-    """consensus.merge_method / merge's `method`: the methods consensus/registry.py lists."""
-    from capibara_exp.consensus.registry import METHODS
+    """consensus.merge_method / merge's `method`: the methods composing/merge_methods.py lists."""
+    from capibara_exp.composing.merge_methods import METHODS
 
     return Choice(*METHODS)
 
 
 def merge_param_rule(name: str) -> Rule | None:
     """A merge method's parameter (merge's `weights`, `num_byzantine`, ...): its check in
-    consensus/registry.py; None for a key that is not one."""
-    from capibara_exp.consensus import registry
+    composing/merge_methods.py; None for a key that is not one."""
+    from capibara_exp.composing import merge_methods
 
-    check = registry.param_checks().get(name)
+    check = merge_methods.param_checks().get(name)
     return Rule("any", explain=check) if check else None
 
 
 def merge_params_rule() -> Rule:
     """consensus.merge_params: a mapping of the registry's parameters to allowed values."""
-    from capibara_exp.consensus import registry
+    from capibara_exp.composing import merge_methods
 
     def explain(params: Any) -> str | None:
-        checks = registry.param_checks()
+        checks = merge_methods.param_checks()
         if params is not None and not isinstance(params, Mapping):
             return f"must be a mapping of merge parameters or null, got {params!r}"
         for name, value in (params or {}).items():

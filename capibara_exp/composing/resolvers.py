@@ -9,7 +9,7 @@ import textwrap
 
 from omegaconf import OmegaConf
 
-from capibara_exp.paths import SWEEPS_ROOT
+from capibara_exp.base.paths import SWEEPS_ROOT
 
 
 def user_cache_dir(name: str) -> str:
@@ -19,10 +19,10 @@ def user_cache_dir(name: str) -> str:
 
 
 def merge_methods() -> str:
-    """The merge methods and their parameters (capibara-exp-merge --help), from the registry."""
-    from capibara_exp.consensus import registry
+    """The merge methods and their parameters (capibara-exp-merge --help), from their table."""
+    from capibara_exp.composing import merge_methods
 
-    return registry.help_text()
+    return merge_methods.help_text()
 
 
 def shipped_sweeps() -> str:
@@ -34,7 +34,7 @@ def sweeper_keys() -> str:
     """The capibara_optuna sweeper's settings, from its YAML file."""
     import yaml
 
-    from capibara_exp.paths import CONF_DIR
+    from capibara_exp.base.paths import CONF_DIR
 
     # libyaml's safe loader where PyYAML has it (--help resolves this on every call)
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

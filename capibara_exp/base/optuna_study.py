@@ -4,7 +4,7 @@ trials, heartbeats, and failing trials whose process or machine died.
 
 Optuna keeps a study's storage and ids to itself (`Study._storage`, `Trial._trial_id`), so
 an OpenStudy keeps the storage it was opened on and reaches a trial through the storage's
-public methods by the trial's number. The one private use left is in private_apis.py.
+public methods by the trial's number. The one private use left is in base/private_apis.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import optuna
 import sqlalchemy
 from optuna.trial import TrialState
 
-from capibara_exp import private_apis
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import private_apis
+from capibara_exp.base.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

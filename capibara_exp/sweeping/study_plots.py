@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from capibara_exp.sweeping import files
+from capibara_exp.base import atomic
 
 
 def write_plots(study: optuna.Study, sweep_dir: Path) -> dict[str, str]:
@@ -44,8 +44,8 @@ def write_plots(study: optuna.Study, sweep_dir: Path) -> dict[str, str]:
             written[name] = f"not drawn: {err}"
             continue
         fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
-        path = files.write_with(out_dir / f"{name}.png",
-                                lambda tmp, fig=fig: fig.savefig(tmp, dpi=120, bbox_inches="tight"))
+        path = atomic.write_with(out_dir / f"{name}.png", lambda tmp, fig=fig:
+                                 fig.savefig(tmp, dpi=120, bbox_inches="tight"))
         plt.close(fig)
         written[name] = str(path)
     return written

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 LOCK_NAME = ".capibara.lock"
 WAIT_POLL_S = 0.5  # how often a waiting process looks at the lock again

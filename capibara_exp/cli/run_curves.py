@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from capibara_exp.errors import ConfigError
+from capibara_exp.base.errors import ConfigError
 
 # Metrics worth a panel, in order, each drawn for train and train_eval where present.
 PANELS = ("loss", "accuracy", "learning_rate", "grad_norm", "tokens_per_s", "mfu",
@@ -21,8 +21,8 @@ _LAYER_RE = re.compile(r"^experts/(layers_\d+)/(\w+)$")
 
 def read_records(run_dir: Path) -> list[dict]:
     """The records of RUN_DIR/metrics.jsonl (one JSON object per line)."""
-    from capibara_exp.metrics_file import read_records as read
-    from capibara_exp.metrics_file import tell_damaged
+    from capibara_exp.base.metrics_file import read_records as read
+    from capibara_exp.base.metrics_file import tell_damaged
 
     path = run_dir / "metrics.jsonl"
     if not path.is_file():

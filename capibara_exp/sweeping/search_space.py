@@ -18,8 +18,8 @@ import optuna.distributions as od
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 
-from capibara_exp import overrides
-from capibara_exp.errors import ConfigError
+from capibara_exp.base import overrides
+from capibara_exp.base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""The built E2B routing data as the training side reads them: where they live and their
+manifest, never building. `capibara-exp-data` and a run's data preparation
+(experiment.prepare_data, before JAX starts) are the build's two doors, both through
+build.ensure_built; a SeqIO task that finds no build says which command makes one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from capibara_exp.base.errors import ConfigError
+
+DATASET = "e2b_routing"
+MANIFEST = "manifest.json"  # written last: data without it are not built (or half built)
+BUILD_COMMAND = "capibara-exp-data"
+# E2B-format logs the code-generation task reads instead of the built ones (no build needed)
+CODEGEN_LOGS_ENV = "CAPIBARA_CODEGEN_LOGS"
+
+
+class NotBuilt(ConfigError):
+    """The data a task reads are not built under the data dir."""
+
+
+def dataset_dir(data_dir: str | os.PathLike) -> Path:
+    return Path(data_dir) / DATASET
+
+
+def manifest(data_dir: str | os.PathLike) -> dict:
+    """The manifest of the data built under `data_dir`; NotBuilt naming the command to run
+    when there is none."""
+    path = dataset_dir(data_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise NotBuilt(f"{path}: no E2B routing data built under {data_dir}; build them with "
+                       f"`{BUILD_COMMAND} data_dir={data_dir}`") from None
