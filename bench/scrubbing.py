@@ -7,8 +7,8 @@
   per context class, per format, per channel (capibara_exp/data/e2b/heldout/generated.py).
 - Leave-one-family-out: each provider's tokens (made from the issuers' published shapes)
   in every context, with that provider's format rules and every mention of it removed.
-- Provider formats' held-out corpus (heldout/formats.py), with detect-secrets alone as the
-  baseline measured in the same run.
+- Provider formats' held-out corpus (heldout/credential_formats.py), with detect-secrets
+  alone as the baseline measured in the same run.
 - Must-survive texts: hashes, UUIDs, ids, payloads without a cue and references,
   placeholders, publishable and public keys under one (generated), and text harvested
   from this machine's files.

@@ -283,7 +283,7 @@ SCRIPTS = {
     "main": (["--cfg", "job"], ["trainer.train_steps=0"], "capibara_exp.experiment:run"),
     "data": (["--cfg", "job"], ["splits.validation_percent=200"],
              "capibara_exp.data.e2b.build:ensure_built"),
-    "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.command:run_merge"),
+    "merge": (["--help"], ["runs=[a]"], "capibara_exp.consensus.merge_command:run_merge"),
     "tune_mesh": (["--cfg", "job"], ["tune_mesh.n_trials=0"], "capibara_exp.tuning.plan:run"),
     "plot": (["RUN"], ["EMPTY"], "capibara_exp.cli.run_curves:render"),
 }

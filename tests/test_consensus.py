@@ -283,7 +283,7 @@ def test_capibara_exp_merge_config_composes_and_merges(setup, tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
     from capibara_exp.base.paths import CONF_DIR
-    from capibara_exp.consensus.command import run_merge
+    from capibara_exp.consensus.merge_command import run_merge
 
     runs = [str(c.step_dir) for c in setup["honest"][:3]]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -459,7 +459,7 @@ def test_no_manifest_is_rejected_by_default_or_merged_marked_unverified(setup, t
 
 
 def run_merge_cfg(cfg) -> dict:
-    from capibara_exp.consensus.command import run_merge
+    from capibara_exp.consensus.merge_command import run_merge
 
     return run_merge(cfg)
 

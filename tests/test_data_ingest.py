@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capibara_exp.data.e2b import build, heldout, processing, records
-from capibara_exp.data.e2b.heldout import formats, tokens
+from capibara_exp.data.e2b.heldout import credential_formats, tokens
 from capibara_exp.data.e2b.quarantine import Quarantine
 
 _RELAXED = {"min_code_chars": 0, "dedup": [], "drop_sandbox_errors": False}
@@ -436,7 +436,7 @@ def test_mutated_valid_records_never_stop_the_build(data: st.DataObject) -> None
 def _planted() -> list[tuple[str, str]]:
     """(text to plant, the secret in it), from the held-out formats, seeded apart."""
     rng = random.Random(4242)
-    by_name = {f.name: f for f in formats.FORMATS}
+    by_name = {f.name: f for f in credential_formats.FORMATS}
     s = {
         n: by_name[n].make(rng)
         for n in (
@@ -447,9 +447,10 @@ def _planted() -> list[tuple[str, str]]:
             "private_key",
         )
     }
-    pw, url_pw = formats.human_password(rng), formats.random_password(rng).replace("%", "")
+    pw = credential_formats.human_password(rng)
+    url_pw = credential_formats.random_password(rng).replace("%", "")
     vendor = "qzv_" + tokens.token(rng, "base62", "bare")
-    pw2 = formats.human_password(rng)
+    pw2 = credential_formats.human_password(rng)
     built_on_uuid = tokens.token(random.Random(3), "hex", "uuid_built")
     while tokens.UUID_ONLY.fullmatch(built_on_uuid):
         built_on_uuid = tokens.token(rng, "hex", "uuid_built")

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capibara_exp.data.e2b import build, heldout, quarantine, scrub
-from capibara_exp.data.e2b.heldout import formats, generated, grammar, layouts, tokens
+from capibara_exp.data.e2b.heldout import credential_formats, generated, grammar, layouts, tokens
 
 
 def _gate() -> dict:
@@ -73,7 +73,7 @@ def test_goals_hold_on_another_seed_and_detect_secrets_alone_does_not_meet_them(
 
 def test_a_github_token_found_by_its_prefix_is_redacted_whole() -> None:
     # detect-secrets reports the regex group (`ghp`) for GitHub tokens: the token is widened
-    token = formats.github_token(random.Random(0), "ghp")
+    token = credential_formats.github_token(random.Random(0), "ghp")
     text, counts = scrub.scrub_text(f"print('{token}'); ghpages = 1")
     assert token not in text and "ghpages = 1" in text and counts == {"github_token": 1}
 
@@ -158,7 +158,7 @@ def test_text_without_secrets_is_kept_character_for_character(text: str) -> None
 
 
 def test_a_quarantine_excerpt_keeps_no_secret_even_cut_by_its_window() -> None:
-    token = formats.github_token(random.Random(1), "ghp")
+    token = credential_formats.github_token(random.Random(1), "ghp")
     line = ('{"code": "' + "x" * 300 + token + '", "language": 5').encode()
     for offset in range(250, 420, 7):  # the window edge falls inside the token
         text = quarantine.excerpt(line, offset)

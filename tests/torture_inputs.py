@@ -79,7 +79,7 @@ def _merge_here(args: list[str]) -> tuple[int, str]:
 
     from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.cli.common import checked_argv, user_errors
-    from capibara_exp.consensus import command
+    from capibara_exp.consensus import merge_command
     from capibara_exp.consensus.gate import ConsensusError
 
     err = io.StringIO()
@@ -90,11 +90,11 @@ def _merge_here(args: list[str]) -> tuple[int, str]:
             cfg = compose("merge", overrides=args)
         with contextlib.redirect_stderr(err), user_errors("capibara-exp-merge", ConsensusError,
                                                           ValueError, FileNotFoundError):
-            rep = command.run_merge(cfg)
+            rep = merge_command.run_merge(cfg)
     except SystemExit as exit_:
         return int(exit_.code), err.getvalue()
     return 0, err.getvalue() + "".join(f"capibara-exp-merge: {line}\n"
-                                       for line in command.console_lines(rep))
+                                       for line in merge_command.console_lines(rep))
 
 
 def poisoned_candidates(root: Path, reference: Path, tally: Tally) -> None:

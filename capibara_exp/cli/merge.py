@@ -15,12 +15,12 @@ PROG = "capibara-exp-merge"
 
 
 def _merge(cfg: DictConfig) -> None:
-    from capibara_exp.consensus import command
+    from capibara_exp.consensus import merge_command
     from capibara_exp.consensus.gate import ConsensusError
 
     with user_errors(PROG, ConsensusError, ValueError, FileNotFoundError):
-        rep = command.run_merge(cfg)
-    for line in command.console_lines(rep):
+        rep = merge_command.run_merge(cfg)
+    for line in merge_command.console_lines(rep):
         print(f"{PROG}: {line}", file=sys.stderr)
 
 

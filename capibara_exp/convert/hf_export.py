@@ -31,7 +31,7 @@ from etils import epath
 
 from capibara_exp.base import phases
 from capibara_exp.base.errors import ConfigError
-from capibara_exp.convert import families, names, safetensors_io
+from capibara_exp.convert import families, safetensors_io, tensor_names
 from capibara_exp.convert.hf_import import TOKENIZER_FILES, param_shapes
 from capibara_exp.runtime import checkpoints
 
@@ -172,7 +172,7 @@ def _planned(fam, model, step_dir: Path, dtype: str | None) -> list[safetensors_
         return cache[path]
 
     planned = []
-    for entry in names.entries(fam, model):
+    for entry in tensor_names.entries(fam, model):
         key = ("target", *entry.path.split("/"))
         if key not in meta:
             raise ConfigError(f"{step_dir}: has no parameter {entry.path} (the model needs it)")
@@ -208,7 +208,7 @@ class LeafReader:
                                               f"({err})") from err
 
 
-def _slices(entry: names.Entry, shape, dtype, leaf) -> list[safetensors_io.Planned]:
+def _slices(entry: tensor_names.Entry, shape, dtype, leaf) -> list[safetensors_io.Planned]:
     one = entry.hf_shape(shape)
     out = []
     for index, name in zip(np.ndindex(*shape[:entry.depth]), entry.names(), strict=True):

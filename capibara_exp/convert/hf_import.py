@@ -3,7 +3,7 @@ and a conf/model entry.
 
 Everything is checked before anything is written: the architecture (families.py), every
 tensor the model needs (present, of the right shape, a float dtype) and none it does not
-(names.py). Then OUT/checkpoint_0 is written as the tensors are read (t5x_writer.py:
+(tensor_names.py). Then OUT/checkpoint_0 is written as the tensors are read (t5x_writer.py:
 reading, transposing and writing overlap; host memory is a few tensors, not the model),
 with the tokenizer's files in OUT/tokenizer/, the model entry in
 OUT/conf/model/<name>.yaml and what was imported in OUT/import.json. The whole of OUT
@@ -29,7 +29,7 @@ from flax import traverse_util
 
 from capibara_exp.base import phases
 from capibara_exp.base.errors import ConfigError
-from capibara_exp.convert import families, names, safetensors_io, t5x_writer
+from capibara_exp.convert import families, safetensors_io, t5x_writer, tensor_names
 from capibara_exp.convert.network import network
 from capibara_exp.runtime import checkpoints
 
@@ -50,12 +50,12 @@ def param_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flat.items()}
 
 
-def _expected(entry: names.Entry, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+def _expected(entry: tensor_names.Entry, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """The HF tensors of an entry and the shape each must have, from the parameter's."""
     return {name: entry.hf_shape(shape) for name in entry.names()}
 
 
-def check_tensors(ckpt: safetensors_io.Checkpoint, entries: list[names.Entry],
+def check_tensors(ckpt: safetensors_io.Checkpoint, entries: list[tensor_names.Entry],
                   shapes: Mapping[str, tuple[int, ...]], hf_dir: Path) -> None:
     """Every tensor the model needs, of the right shape and a float dtype; none extra."""
     wanted: dict[str, tuple[int, ...]] = {}
@@ -86,7 +86,7 @@ def _tied_copy(ckpt: safetensors_io.Checkpoint, name: str, wanted: Mapping) -> b
         ckpt.tensor(name), ckpt.tensor(embed))
 
 
-def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: names.Entry,
+def lazy_leaf(ckpt: safetensors_io.Checkpoint, entry: tensor_names.Entry,
               shape: tuple[int, ...]) -> t5x_writer.Leaf:
     hf_names = entry.names()
     first = hf_names[0]
@@ -149,7 +149,7 @@ def import_model(hf_dir: str | Path, out: str | Path, name: str | None = None,
     keys["dtype"] = compute_dtype or ("float32" if source_dtype == "float32" else "bfloat16")
     name = name or _entry_name(hf_dir)
     ckpt = safetensors_io.Checkpoint(hf_dir)
-    entries = names.entries(fam, keys)
+    entries = tensor_names.entries(fam, keys)
     with phases.phase("checking the model's tensors"):
         try:
             shapes = param_shapes(keys)

@@ -1,7 +1,7 @@
 """What measures secret scrubbing. Here, the provider formats' held-out corpus.
 
-Positives: every credential format of formats.py, made from its published shape, placed
-in the contexts of contexts.py (code, SQL DML and DDL, shell, env/INI/YAML settings,
+Positives: every credential format of credential_formats.py, made from its published shape, placed
+in the contexts of log_contexts.py (code, SQL DML and DDL, shell, env/INI/YAML settings,
 URLs, stdout, stderr, tracebacks, error values). Negatives: text harvested from this
 machine's files (negatives.py) that must come out unchanged. This corpus was written
 beside the old patterns and scores 1.000: it is kept, not relied on. What the detector
@@ -19,8 +19,8 @@ import random
 from collections import Counter, defaultdict
 
 from capibara_exp.data.e2b import scrub
-from capibara_exp.data.e2b.heldout import contexts, negatives
-from capibara_exp.data.e2b.heldout.formats import FORMATS
+from capibara_exp.data.e2b.heldout import log_contexts, negatives
+from capibara_exp.data.e2b.heldout.credential_formats import FORMATS
 
 # Record fields that hold code, and their language (the scrubber reads code differently).
 _CODE = {"python": "python", "javascript": "javascript", "sql": "sql"}
@@ -52,7 +52,7 @@ def positives(seed: int, per_kind: int) -> list[Positive]:
     out = []
     for fmt in FORMATS:
         for _ in range(per_kind):
-            text, channel, planted = contexts.place(fmt, fmt.make(rng), rng)
+            text, channel, planted = log_contexts.place(fmt, fmt.make(rng), rng)
             out.append(Positive(fmt.name, channel, text, planted))
     return out
 

@@ -4,7 +4,7 @@ grammar.py and layouts.py, and the values that must survive in the same contexts
 Positives are drawn from contexts x random alphabets x structures (tokens.py), never from
 the detector's patterns; negatives put hashes, UUIDs, ids and base64 payloads in the same
 contexts without a credential cue, and references, placeholders, publishable and public
-keys under one. Leave-one-family-out takes each provider's tokens (formats.py, made from
+keys under one. Leave-one-family-out takes each provider's tokens (credential_formats.py, made from
 the issuers' published shapes), removes that provider's format rule and every mention of
 it from the detector, and measures recall in every context.
 """
@@ -20,10 +20,10 @@ from collections import Counter, defaultdict
 
 from capibara_exp.data.e2b import scrub
 from capibara_exp.data.e2b.heldout import caught, grammar, layouts, tokens
-from capibara_exp.data.e2b.heldout.formats import FORMATS
+from capibara_exp.data.e2b.heldout.credential_formats import FORMATS
 
 CODE_CHANNELS = frozenset({"python", "javascript", "typescript", "java", "r", "bash", "sql", "go"})
-# Provider tokens of formats.py by the detector's family (formats.FAMILIES) they belong to.
+# Provider tokens of credential_formats.py by the detector's family (formats.FAMILIES).
 FAMILY_OF = {
     "aws_access_key_id": "aws",
     "aws_secret_access_key": "aws",

@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 
 from capibara_exp.data.corpus import stdlib_sources
-from capibara_exp.data.e2b.heldout import contexts
-from capibara_exp.data.e2b.heldout.formats import FORMATS
+from capibara_exp.data.e2b.heldout import log_contexts
+from capibara_exp.data.e2b.heldout.credential_formats import FORMATS
 
 _UUID = re.compile(
     rb"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
@@ -266,7 +266,7 @@ def _in_contexts(values: tuple[str, ...], rng: random.Random, n: int) -> list[tu
     """Each value where a credential would stand (the positives' assignment, env, setting
     and URL contexts), under the names real formats use."""
     groups = ("assign", "env", "config", "url_query")
-    templates = [c for g in groups for c in contexts.GROUPS[g]]
+    templates = [c for g in groups for c in log_contexts.GROUPS[g]]
     out = []
     for i in range(n):
         fmt, value = FORMATS[i % len(FORMATS)], values[i % len(values)]

@@ -17,7 +17,7 @@ import re
 import string
 import uuid
 
-from capibara_exp.data.e2b.heldout.formats import human_password, random_password
+from capibara_exp.data.e2b.heldout.credential_formats import human_password, random_password
 
 ALPHABETS = {
     "hex": "0123456789abcdef",

@@ -9,7 +9,7 @@ import base64
 import binascii
 import re
 
-from capibara_exp.data.e2b.scrub import gate, keep, names, shape
+from capibara_exp.data.e2b.scrub import keep, name_cues, prefilter, shape
 
 # `-----BEGIN <label with PRIVATE or SECRET>-----` (PEM, OpenSSH, PGP) and SSH2's
 # `---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----`: the label says what the block holds.
@@ -48,13 +48,13 @@ def name_value_pairs(text: str, lowered: str) -> list[tuple[int, int, str]]:
     out = []
     matches = (
         m
-        for lo, hi in gate.windows(lowered, ("value", "parametervalue"), 200, 300)
+        for lo, hi in prefilter.windows(lowered, ("value", "parametervalue"), 200, 300)
         for m in _NAME_VALUE.finditer(text, lo, hi)
     )
     for m in matches:
         group = next(g for g in ("dq", "sq", "bare") if m.group(g) is not None)
         key, value = m.group("key"), m.group(group)
-        rule = names.rule(key)
+        rule = name_cues.rule(key)
         if rule not in ("chosen", "generated") or keep.not_a_secret(value, key):
             continue
         if rule == "chosen" or shape.generated(value):
@@ -100,7 +100,7 @@ def encoded(text: str, lowered: str, holds_secret) -> list[tuple[int, int, str]]
         plain = decoded(m.group())
         if plain and _BEGIN.search(plain):
             out.append((m.start(), m.end(), "encoded_private_key"))
-    names_at = gate.windows(lowered, ("data", "b64", "base64", "encoded", "blob"), 100, 4096)
+    names_at = prefilter.windows(lowered, ("data", "b64", "base64", "encoded", "blob"), 100, 4096)
     for m in (m for lo, hi in names_at for m in _ENCODED_NAME.finditer(text, lo, hi)):
         plain = decoded(m.group("v"))
         if plain and (_BEGIN.search(plain) or holds_secret(plain)):

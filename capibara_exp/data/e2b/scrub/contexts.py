@@ -1,6 +1,6 @@
 """Where a credential stands in one line, read from its context.
 
-Two readings of every line that holds a cue (names.py):
+Two readings of every line that holds a cue (name_cues.py):
 - key first: a credential name, then an assignment (`=`, `:`, `:=`, `=>`, `<-`, a flag's
   space), then its value, in the syntax of any language E2B runs, of settings files and
   of HTTP headers; under a chosen-secret name any value counts, under a token name the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from capibara_exp.data.e2b.scrub import formats, keep, names, shape
+from capibara_exp.data.e2b.scrub import formats, keep, name_cues, shape
 
 REDACTED = "<REDACTED:"
 # Stems a credential name holds (names.rule decides; this only finds candidates fast).
@@ -89,11 +89,11 @@ _URL = re.compile(r"(?i)^[a-z][a-z0-9+.\-]*://")
 
 
 def callee_cue(name: str) -> bool:
-    ws = names.words(name)
+    ws = name_cues.words(name)
     return bool(ws) and (
         ws[-1] in _CALLEE_LAST
         or ws[0] in _CALLEE_FIRST
-        or names.rule(name.rsplit(".", 1)[-1]) in ("chosen", "generated")
+        or name_cues.rule(name.rsplit(".", 1)[-1]) in ("chosen", "generated")
     )
 
 
@@ -128,7 +128,7 @@ def key_first(line: str, in_code) -> list[tuple[int, int, str]]:
                 lo, hi, value = _value_span(m)
                 code = None if m.group("qv") is not None else in_code(lo)
             key = m.group("key").lstrip("-")
-            if value_is_secret(value, key, names.rule(key), code):
+            if value_is_secret(value, key, name_cues.rule(key), code):
                 out.append((lo + len(value) - len(_SCHEME.sub("", value)), hi, kind))
     return out
 
@@ -163,8 +163,8 @@ def left_cue(line: str, start: int) -> str | None:
             return "generated"
         pair = "," in seps and i == start
         callee_only = callee_only or ("," in seps and not pair)
-        rule = names.rule(name)
-        ws = names.words(name)
+        rule = name_cues.rule(name)
+        ws = name_cues.words(name)
         if not callee_only:
             if rule == "none" or (ws and ws[-1] in _NOT_CUES):
                 return None
@@ -219,8 +219,8 @@ def _named_otherwise(line: str, start: int) -> bool:
     while j > 0 and line[j - 1] in _SEPARATORS:
         j -= 1
     name = line[_name_before(line, j) : j]
-    ws = names.words(name)
-    return bool(ws) and (ws[-1] in _NOT_CUES or names.rule(name) == "none")
+    ws = name_cues.words(name)
+    return bool(ws) and (ws[-1] in _NOT_CUES or name_cues.rule(name) == "none")
 
 
 # Constructors that take a generated value that is no credential.
@@ -241,10 +241,10 @@ def _constructor_argument(line: str, start: int, kind: str, value: str) -> bool:
     m = _CONSTRUCTOR.search(line, max(0, start - 80), start)
     if m is None or (kind == "uuid" and shape.UUID.fullmatch(value)):
         return False
-    if set(names.words(m.group(1))) & (_NOT_CUES | _NOT_CONSTRUCTORS):
+    if set(name_cues.words(m.group(1))) & (_NOT_CUES | _NOT_CONSTRUCTORS):
         return False
     if kind == "token":
         return True
     # a digest-shaped argument counts only when what it makes is named as a client
     var = _ASSIGNED.search(line, max(0, m.start() - 40), m.start())
-    return var is not None and bool(set(names.words(var.group(1))) & _CLIENT_VARS)
+    return var is not None and bool(set(name_cues.words(var.group(1))) & _CLIENT_VARS)

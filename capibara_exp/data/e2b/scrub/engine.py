@@ -11,7 +11,16 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from capibara_exp.data.e2b.scrub import blocks, contexts, formats, forms, gate, keep, syntax, tables
+from capibara_exp.data.e2b.scrub import (
+    blocks,
+    contexts,
+    formats,
+    forms,
+    keep,
+    prefilter,
+    syntax,
+    tables,
+)
 
 MARK = contexts.REDACTED
 # Values this long are also redacted where they stand again.
@@ -60,7 +69,7 @@ def _structures(view: str, lowered: str, language, cue_lines, starts, exclude, d
     found += blocks.name_value_pairs(view, lowered) if "alue" in lowered else []
     if language is None or language.lower() in syntax.SHELLS:
         found += tables.text_tables(
-            view, cue_lines | gate.lines_with(view, lowered, starts, ("value",))
+            view, cue_lines | prefilter.lines_with(view, lowered, starts, ("value",))
         )
     found += tables.html_tables(view) if "<t" in lowered else []
     found += tables.sql_inserts(view) if "insert" in lowered else []
@@ -70,9 +79,9 @@ def _structures(view: str, lowered: str, language, cue_lines, starts, exclude, d
 def find(text: str, language: str | None = None, exclude=frozenset(), depth: int = 0) -> list:
     """(start, end, kind) of every secret found in `text` (code in `language` if given)."""
     view = shadow(text)
-    lowered, starts = gate.lower(view), gate.line_starts(view)
-    cue_lines = gate.lines_with(view, lowered, starts)
-    long_lines = gate.long_run_lines(view, starts)
+    lowered, starts = prefilter.lower(view), prefilter.line_starts(view)
+    cue_lines = prefilter.lines_with(view, lowered, starts)
+    long_lines = prefilter.long_run_lines(view, starts)
     code = syntax.in_code(view, language)
     found = _structures(view, lowered, language, cue_lines, starts, exclude, depth)
     for i in sorted(cue_lines | long_lines):

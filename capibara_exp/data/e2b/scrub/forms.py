@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from capibara_exp.data.e2b.scrub import keep, names, shape
+from capibara_exp.data.e2b.scrub import keep, name_cues, shape
 
 # `scheme://user:password@host` (also an empty user: `redis://:pw@cache`) and
 # `scheme://TOKEN@host` (a token as the user: git remotes, Sentry DSNs).
@@ -105,7 +105,7 @@ def sql(line: str) -> list[tuple[int, int, str]]:
             if not keep.not_a_secret(m.group("v")):
                 out.append((m.start("v"), m.end("v"), "sql_password"))
     for m in _SQL_PAIR.finditer(line):
-        rule, value = names.rule(m.group("key")), m.group("v")
+        rule, value = name_cues.rule(m.group("key")), m.group("v")
         if keep.not_a_secret(value, m.group("key")):
             continue
         if rule == "chosen" or (rule == "generated" and shape.generated(value)):

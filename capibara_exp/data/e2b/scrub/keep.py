@@ -11,7 +11,7 @@ import re
 
 from detect_secrets.filters import heuristic
 
-from capibara_exp.data.e2b.scrub import formats, names, shape
+from capibara_exp.data.e2b.scrub import formats, name_cues, shape
 
 # Values that are never the secret itself.
 _LITERALS = frozenset(
@@ -80,7 +80,7 @@ def _names_itself(value: str, key: str) -> bool:
     v, k = value.lower().replace("-", "_"), key.lower().replace("-", "_")
     if v in k:
         return True
-    return re.fullmatch(r"[a-z_]+", v) is not None and names.rule(v) is not None
+    return re.fullmatch(r"[a-z_]+", v) is not None and name_cues.rule(v) is not None
 
 
 def code_value(value: str, in_code: bool) -> bool:

@@ -1,7 +1,7 @@
 """Tables whose header names a credential column: pandas DataFrame printouts (text and
 HTML), SQL clients' result grids (psql, mysql, sqlite3, DuckDB's boxes), Markdown and CSV,
 and SQL `INSERT ... (columns) VALUES (...)`. A row's cell under a credential column is a
-secret by the column's rule (names.py); name/value rows (`api_key | <value>`) are read by
+secret by the column's rule (name_cues.py); name/value rows (`api_key | <value>`) are read by
 contexts.left_cue, as any name left of a value is.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from capibara_exp.data.e2b.scrub import contexts, keep, names, shape
+from capibara_exp.data.e2b.scrub import contexts, keep, name_cues, shape
 
 _ROWS_MAX = 500
 _DELIMITERS = ("│", "|", "\t", ",")
@@ -34,7 +34,7 @@ _HTML_CELL = re.compile(r"(?is)<t([hd])[^>]*>(.*?)</t\1>")
 
 
 def _secret(value: str, column: str) -> bool:
-    rule, value = names.rule(column), value.strip().strip("'\"`")
+    rule, value = name_cues.rule(column), value.strip().strip("'\"`")
     if rule not in ("chosen", "generated") or keep.not_a_secret(value, column):
         return False
     if re.search(r"[()\[\]{}]", value):
@@ -73,7 +73,7 @@ def _cue_columns(line: str) -> tuple[str | None, list[tuple[int, int, int, str]]
     columns = [
         (i, lo, hi, text)
         for i, (lo, hi, text) in enumerate(cells)
-        if names.rule(text) in ("chosen", "generated")
+        if name_cues.rule(text) in ("chosen", "generated")
     ]
     pair = pair_columns([c[2] for c in cells])
     if pair is not None:
@@ -134,7 +134,8 @@ def html_tables(text: str) -> list[tuple[int, int, str]]:
         cells = list(_HTML_CELL.finditer(row.group(1)))
         heads = {i: re.sub(r"<[^>]+>", "", c.group(2)).strip() for i, c in enumerate(cells)}
         if all(c.group(1).lower() == "h" for c in cells[1:]) and len(cells) > 1:
-            columns = {i: h for i, h in heads.items() if names.rule(h) in ("chosen", "generated")}
+            columns = {i: h for i, h in heads.items()
+                       if name_cues.rule(h) in ("chosen", "generated")}
             pair = pair_columns([heads[i] for i in range(len(cells))])
             if pair is not None:
                 columns[pair[1]] = f"*{pair[0]}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import urllib.parse
 
-from capibara_exp.data.e2b.heldout.formats import Format
+from capibara_exp.data.e2b.heldout.credential_formats import Format
 
 CHANNELS = ("python", "javascript", "sql", "stdout", "stderr", "error", "traceback")
 
