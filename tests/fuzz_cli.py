@@ -210,7 +210,9 @@ def run_case(script: str, argv: list[str]) -> tuple[int, str, str]:
     main: Callable = importlib.import_module(module_name).main
     root = make_sandbox()
     argv = [_fill(a, root) for a in argv]
-    cwd, saved_argv = os.getcwd(), list(sys.argv)
+    # main() runs here, in-process: what it sets in os.environ (the checks export data_dir
+    # for SeqIO's tasks) must not outlive the case and steer later tests.
+    cwd, saved_argv, saved_env = os.getcwd(), list(sys.argv), dict(os.environ)
     err, out = io.StringIO(), io.StringIO()
     before = snapshot(root)
     try:
@@ -227,6 +229,8 @@ def run_case(script: str, argv: list[str]) -> tuple[int, str, str]:
     finally:
         os.chdir(cwd)
         sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
         _release_locks(root)
         shutil.rmtree(root, ignore_errors=True)
     text = err.getvalue()
