@@ -54,13 +54,21 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def e2b_data(data_dir: Path) -> Path:
-    """The E2B routing data built (shipped settings) in the session's data dir, as
-    `capibara-exp-data` or a run's data preparation builds them: the tasks only read."""
+def _e2b_built(data_dir: Path) -> Path:
     from capibara_exp.data.e2b import build
 
     build.ensure_built(data_dir)
     return data_dir
+
+
+@pytest.fixture
+def e2b_data(_e2b_built: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The E2B routing data built (shipped settings) in the session's data dir, as
+    `capibara-exp-data` or a run's data preparation builds them: the tasks only read, from
+    $CAPIBARA_DATA_DIR, set here for the test (an earlier test in the worker may have
+    pointed it at data of its own)."""
+    monkeypatch.setenv("CAPIBARA_DATA_DIR", str(_e2b_built))
+    return _e2b_built
 
 
 @pytest.fixture(scope="session", autouse=True)
