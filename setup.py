@@ -9,7 +9,7 @@ KERNELS = ["segment_stats", "packing", "robust_agg"]
 extensions = [
     Extension(
         f"capibara_exp.kernels.{name}",
-        [f"kernels/{name}.pyx"],
+        [f"capibara_exp/kernels/{name}.pyx"],
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"],

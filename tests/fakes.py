@@ -38,9 +38,10 @@ def fake_slice(root: Path) -> dict[str, str]:
 
 def launch_script(root: Path, gin_path: Path, model_dir: Path, python: str, **engine) -> Path:
     """The engine=tpu_vm launch script for one fake host (v5e-4: one worker)."""
+    from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.launch import tpu_vm
 
-    defaults = OmegaConf.load(Path(tpu_vm.__file__).parents[2] / "conf/engine/tpu_vm.yaml")
+    defaults = OmegaConf.load(CONF_DIR / "engine" / "tpu_vm.yaml")
     cfg = OmegaConf.create({
         "name": "torture", "topology": "v5e-4", "model_dir": str(model_dir),
         "engine": {**OmegaConf.to_container(defaults, resolve=False), "runtime": "local",

@@ -87,6 +87,8 @@ NEVER: list[tuple[str | tuple[str, ...], tuple[str, ...], str]] = [
     ("capibara_exp.runtime.stopping", ("capibara_exp",),
      "a leaf: where a decoded row ends, for T5X's decoding loop"),
     ("capibara_exp.generation.execution", HEAVY, "programs run without the training stack"),
+    ("capibara_exp.kernels", (*ABOVE_BASE, "capibara_exp.base", *HEAVY),
+     "Cython kernels and their NumPy references: arrays in, arrays out, for any layer"),
     ("capibara_exp", ("tests", "bench"), "the package never imports its tests or benchmarks"),
 ]
 # Only the console scripts (and the sweeper's Hydra plugin, which is one) import cli/.

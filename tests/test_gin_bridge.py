@@ -8,11 +8,11 @@ import os
 import tomllib
 from pathlib import Path
 
+import gin
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gin
 from capibara_exp.base.errors import ConfigError
 from capibara_exp.base.paths import GIN_DIR
 from capibara_exp.composing import gin_bridge
@@ -148,29 +148,31 @@ def test_default_data_packing_is_a_conf_key(packing: str | None, tmp_path: Path)
     assert gin.query_parameter("train/utils.DatasetConfig.pack") is not None
 
 
-def _package_data_globs() -> dict[str, list[str]]:
-    """Top-level dir -> the globs pyproject.toml ships from it (through package-dir)."""
-    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    dirs = {pkg: path for pkg, path in tool.get("package-dir", {}).items()}
-    return {dirs.get(pkg, pkg.replace(".", "/")): globs
-            for pkg, globs in tool.get("package-data", {}).items()}
+def _shipped_files() -> set[str]:
+    """Repo-relative paths pyproject.toml's package-data ships, its globs expanded as
+    setuptools expands them (from each package's folder)."""
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = set()
+    for package, globs in data.get("package-data", {}).items():
+        folder = package.replace(".", "/")
+        for g in globs:
+            shipped |= {f"{folder}/{Path(f).as_posix()}"
+                        for f in glob.glob(g, root_dir=REPO / folder, recursive=True)}
+    return shipped
 
 
-@pytest.mark.parametrize("top, suffixes", [("conf", (".yaml",)), ("gin", (".gin",)),
-                                           ("sweeps", (".yaml",)), ("kernels", (".pyx", ".pxd"))])
+@pytest.mark.parametrize("top, suffixes", [
+    ("capibara_exp/conf", (".yaml",)), ("capibara_exp/gin", (".gin",)),
+    ("capibara_exp/sweeping/conf/sweeps", (".yaml",)),
+    ("capibara_exp/kernels", (".pyx", ".pxd"))])
 def test_installed_package_ships_every_config_file(top: str, suffixes: tuple[str, ...]) -> None:
-    """pyproject's package-dir/package-data must cover every shipped file, or an installed
-    capibara-exp cannot find its conf/ and gin/ (tests run from the checkout and would not
-    notice). The globs are expanded as setuptools expands them."""
-    globs = _package_data_globs()
-    assert top in globs, f"pyproject.toml ships nothing from {top}/ (package-dir/package-data)"
-    files = {p.relative_to(REPO / top).as_posix() for p in (REPO / top).rglob("*")
+    """pyproject's package-data must cover every shipped file, or an installed capibara-exp
+    cannot find its conf/ and gin/ (tests run from the checkout and would not notice)."""
+    files = {p.relative_to(REPO).as_posix() for p in (REPO / top).rglob("*")
              if p.suffix in suffixes}
     assert files
-    shipped = {Path(f).as_posix() for g in globs[top]
-               for f in glob.glob(g, root_dir=REPO / top, recursive=True)}
-    missed = sorted(files - shipped)
-    assert not missed, f"pyproject.toml package-data for {top}/ misses {missed}"
+    missed = sorted(files - _shipped_files())
+    assert not missed, f"pyproject.toml package-data misses {missed}"
 
 
 def test_scoped_bindings_and_references_resolve(tmp_path: Path) -> None:

@@ -82,7 +82,11 @@ MAIN_CASES = [
     (["~trainer", "trainer.train_steps=1"], "trainer.train_steps"),
     (["--package=x"], "--package only chooses what --cfg shows"),
     (["--config-dir", "--config-dir"], "--config-dir needs a value"),
-    (["--resolve", "~name=null"], "Interpolation key 'name' not found"),
+    (["--cfg", "job", "--resolve", "~name=null"], "Interpolation key 'name' not found"),
+    # Hydra's flags it refuses together (it raised a ValueError: an internal error, exit 1)
+    (["--resolve", "~name=null"], "--resolve only changes what --cfg or --help shows"),
+    (["-m", "--cfg", "job"], "--multirun and --cfg together"),
+    (["--info", "defaults", "-c", "job", "--run"], "--info and --cfg and --run together"),
     # a sweep's settings, before the sweep dir exists
     (["-m", "hydra/sweeper=capibara_optuna", "hydra.sweeper.sampler=rando",
       "trainer.train_steps=choice(2,3)"], "hydra.sweeper.sampler=rando: not one of tpe, random"),

@@ -19,13 +19,13 @@ from optuna.trial import TrialState
 
 from capibara_exp.base import optuna_study
 from capibara_exp.base.errors import ConfigError
-from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.base.paths import CONF_DIR, SWEEPS_ROOT
 from capibara_exp.cli.common import register_resolvers
 from capibara_exp.sweeping import best as best_lib
 from capibara_exp.sweeping import search_space, study
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP_FILES = sorted((ROOT / "sweeps").glob("*.yaml"))
+SWEEP_FILES = sorted((SWEEPS_ROOT / "sweeps").glob("*.yaml"))
 
 
 def composed(overrides: list[str], hydra: bool = False, config_dir: Path | None = None

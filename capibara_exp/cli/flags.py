@@ -102,7 +102,29 @@ def parse(argv: list[str]) -> CommandLine:
     if any(a.split("=")[0] in ("--package", "-p") for a in line.flags) and not line.shows_config:
         raise ConfigError("--package only chooses what --cfg shows (--cfg job --package "
                           "model); without --cfg it does nothing")
+    _one_mode(line)
     return line
+
+
+# Hydra's modes: it runs one of them per command (and refuses two with a ValueError)
+_MODES = {"--run": "--run", "-r": "--run", "--multirun": "--multirun", "-m": "--multirun",
+          "--cfg": "--cfg", "-c": "--cfg", "--info": "--info", "-i": "--info",
+          "--shell-completion": "--shell-completion", "-sc": "--shell-completion"}
+
+
+def _one_mode(line: CommandLine) -> None:
+    """Hydra's order: --help answers whatever else is there; --resolve needs --cfg; then
+    --hydra-help answers; then at most one mode."""
+    names = [a.split("=")[0] for a in line.flags]
+    if "--help" in names or "-h" in names:
+        return
+    if "--resolve" in names and not line.shows_config:
+        raise ConfigError("--resolve only changes what --cfg or --help shows (--cfg job "
+                          "--resolve)")
+    modes = list(dict.fromkeys(_MODES[n] for n in names if n in _MODES))
+    if len(modes) > 1 and "--hydra-help" not in names:
+        raise ConfigError(f"{' and '.join(modes)} together: a command runs one of --run, "
+                          "--multirun, --cfg, --info, --shell-completion")
 
 
 _LONG_NUMBER = re.compile(r"[-+]?\d{1000,}")

@@ -32,7 +32,7 @@ from capibara_exp.tuning.estimate import FITTED, StepModel, estimate
 from capibara_exp.tuning.profile import StepProfile
 
 # The compiled configurations, kept beside the benchmark that fits them (a source checkout).
-DATA_DIR = CONF_DIR.parent / "bench" / "calibration"
+DATA_DIR = Path(__file__).resolve().parents[2] / "bench" / "calibration"
 SOURCE = ("AI-Hypercomputer/maxtext MaxText/configs/v5e/README.md (commit 76bd53b0f, "
           "2023-12-15), one v5e-256 slice")
 

@@ -13,7 +13,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.base import model_facts
-from capibara_exp.base.paths import CONF_DIR
+from capibara_exp.base.paths import CHECKOUT, CONF_DIR
 from capibara_exp.base.topologies import Chip
 from capibara_exp.tuning.aot import oom_bytes
 from capibara_exp.tuning.estimate import calibration_note
@@ -230,10 +230,8 @@ def plot(path: Path, ranked: Sequence[Result], chip: Chip, title: str) -> None:
 
 
 def _checkout_conf() -> Path | None:
-    """conf/ of a source checkout (writable, beside pyproject.toml), not an installed copy."""
-    if (CONF_DIR.parent / "pyproject.toml").exists() and CONF_DIR.name == "conf":
-        return CONF_DIR
-    return None
+    """conf/ of a source checkout (writable, an editable install), not an installed copy."""
+    return CONF_DIR if CHECKOUT is not None else None
 
 
 def write_partitioning(cfg: DictConfig, base: DictConfig, winner: Result, moe: bool,
