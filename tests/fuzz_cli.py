@@ -125,7 +125,9 @@ HYDRA_FLAGS = [["--cfg", "job"], ["-c", "all"], ["--help"], ["--hydra-help"], ["
                ["--experimental-rerun", "{root}/afile"], ["--version"], ["--bogus"],
                ["--gin_file={root}/bin.gin"], ["--gin_file=/nope.gin"], ["--gin_file"],
                ["--gin_search_paths={root}/empty"], ["--gin_bindings=TRAIN_STEPS = 3"],
-               ["--gin_bindings=nets.Nope.x = 1"], ["--gin.=1"], ["--gin.X"]]
+               ["--gin_bindings=nets.Nope.x = 1"], ["--gin.=1"], ["--gin.X"],
+               # modes Hydra refuses together (its ValueError once surfaced as exit 1)
+               ["-m", "--cfg", "job"], ["--run", "--info"], ["-sc", "-m"]]
 
 
 def gin_flags() -> st.SearchStrategy[list[str]]:
