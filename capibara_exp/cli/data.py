@@ -36,12 +36,11 @@ def _build(cfg: DictConfig) -> None:
     data_dir, force = settings.pop("data_dir"), settings.pop("force")
     datasets = settings.pop("datasets")
     settings.pop("hydra", None)
-    summary = {}
+    # the routing data first: a build that stops on them (bad inputs) leaves the corpus be
+    summary = _build_e2b(data_dir, force, settings) if built.DATASET in datasets else {}
     if corpus.CORPUS_NAME in datasets:
         manifest = corpus.build_corpus(data_dir, force=force)  # its own phase line
         summary[corpus.CORPUS_NAME] = corpus.summary(manifest, data_dir)
-    if built.DATASET in datasets:
-        summary = {**_build_e2b(data_dir, force, settings), **summary}
     print(json.dumps(summary, indent=2, ensure_ascii=False))
 
 

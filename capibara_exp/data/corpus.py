@@ -103,7 +103,8 @@ def build_corpus(data_dir: str | os.PathLike, force: bool = False) -> dict:
     manifest_path = out_dir / MANIFEST
     if manifest_path.exists() and not force:
         return json.loads(manifest_path.read_text())
-    manifest_path.unlink(missing_ok=True)  # a rebuild: not built until its manifest is back
+    if force:  # a rebuild: not built until its manifest is back
+        manifest_path.unlink(missing_ok=True)
     from capibara_exp.base import phases
 
     with phases.phase(f"building the text corpus under {out_dir} (first use only)") as shown:
