@@ -46,7 +46,8 @@ def main() -> None:
     try:
         runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
     except NotBuilt as err:  # data a task reads not built: the one line naming the command
-        print(f"capibara_exp.launch.t5x_main: configuration error: {err}", file=sys.stderr,
+        line = str(err).splitlines()[0]  # without the call notes gin appends below it
+        print(f"capibara_exp.launch.t5x_main: configuration error: {line}", file=sys.stderr,
               flush=True)
         sys.exit(2)
 
