@@ -41,7 +41,7 @@ def main() -> None:
     phases.show_compiles()
     logging.getLogger().addHandler(_T5XPhases())
     sys.argv[0] = "t5x.train"
-    from capibara_exp.data.e2b.built import NotBuilt
+    from capibara_exp.base.errors import NotBuilt
 
     try:
         runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import gin
-from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.errors import ConfigError, NotBuilt
 from capibara_exp.composing.gin_bridge import BINDING_MARK
-from capibara_exp.data.e2b.built import NotBuilt
 from gin import config_parser
 
 OPERATIVE_CONFIG = "operative_config.gin"

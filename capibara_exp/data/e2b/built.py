@@ -10,17 +10,13 @@ import json
 import os
 from pathlib import Path
 
-from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.errors import NotBuilt
 
 DATASET = "e2b_routing"
 MANIFEST = "manifest.json"  # written last: data without it are not built (or half built)
 BUILD_COMMAND = "capibara-exp-data"
 # E2B-format logs the code-generation task reads instead of the built ones (no build needed)
 CODEGEN_LOGS_ENV = "CAPIBARA_CODEGEN_LOGS"
-
-
-class NotBuilt(ConfigError):
-    """The data a task reads are not built under the data dir."""
 
 
 def dataset_dir(data_dir: str | os.PathLike) -> Path:
