@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 
 from capibara_exp.base import atomic
+from capibara_exp.data.e2b import built
 
 CORPUS_NAME = "bytes_lm"  # also its name in capibara-exp-data's `datasets`
 TASK = "capibara_bytes_lm"  # the SeqIO task reading it (and TASK_<vocabulary tag> variants)
@@ -91,8 +92,6 @@ def reads_corpus(task: str | None) -> bool:
 def manifest(data_dir: str | os.PathLike) -> dict:
     """The manifest of the corpus built under `data_dir`, never building: NotBuilt naming
     the command that builds it when there is none."""
-    from capibara_exp.data.e2b import built
-
     return built.read_manifest(corpus_dir(data_dir) / MANIFEST, "text corpus", data_dir,
                                f"'datasets=[{CORPUS_NAME}]'")
 

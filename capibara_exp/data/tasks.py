@@ -4,7 +4,7 @@ The data directory comes from $CAPIBARA_DATA_DIR (the CLI sets it from `data_dir
 TFDS_DATA_DIR does for TFDS. The tasks only read: a run's data preparation
 (experiment.prepare_data, before JAX starts) or `capibara-exp-data` builds what they read,
 and a task that finds nothing built fails with one line naming the command that builds it
-(data/e2b/built.py: NotBuilt).
+(NotBuilt, from data/e2b/built.py's read_manifest).
 """
 
 from __future__ import annotations

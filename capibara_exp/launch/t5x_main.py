@@ -13,6 +13,7 @@ import runpy
 import sys
 
 from capibara_exp.base import environment, phases
+from capibara_exp.base.errors import NotBuilt
 
 VERBOSE_ENV = "CAPIBARA_VERBOSE"
 
@@ -41,8 +42,6 @@ def main() -> None:
     phases.show_compiles()
     logging.getLogger().addHandler(_T5XPhases())
     sys.argv[0] = "t5x.train"
-    from capibara_exp.base.errors import NotBuilt
-
     try:
         runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
     except NotBuilt as err:  # data a task reads not built: the one line naming the command
