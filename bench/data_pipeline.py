@@ -45,6 +45,10 @@ def main() -> None:
     parser.add_argument("--data-dir", default="/tmp/capibara-bench-data")
     args = parser.parse_args()
     os.environ.setdefault("CAPIBARA_DATA_DIR", args.data_dir)
+    from capibara_exp.data import corpus
+
+    if corpus.reads_corpus(args.task):  # the task only reads: its data built here first
+        corpus.build_corpus(os.environ["CAPIBARA_DATA_DIR"])
     from capibara_exp.runtime.utils import DatasetConfig
 
     cfg = DatasetConfig(

@@ -17,16 +17,15 @@ import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from step_time import bare_loop, compose
+from step_time import bare_loop, compose, prepared_gin
 
 
 def model_and_batch(overrides: list[str], model_dir: Path):
     import gin
-    from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils, inputs
 
     cfg = compose(["trainer.eval_steps=0", *overrides], model_dir)
-    path = experiment.write_gin(cfg, model_dir, {})
+    path = prepared_gin(cfg, model_dir)
     gin_utils.parse(path)
     model = gin.query_parameter("train_script.train.model").scoped_configurable_fn()
     train_cfg = gin.query_parameter("train_script.train.train_dataset_cfg").scoped_configurable_fn()

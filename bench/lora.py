@@ -243,7 +243,9 @@ def quality_part(tmp: Path, data_dir: str, pretrain: int, finetune: int) -> dict
                        f"data_dir={data_dir}", f"trainer.train_steps={steps}",
                        f"trainer.eval_period={steps}", f"checkpoint.checkpoint_period={steps}",
                        *overrides])
-        gin_utils.run_train(experiment.write_gin(cfg, model_dir, {}))
+        # the data it reads built first, as a run builds them (tasks only read)
+        gin_utils.run_train(experiment.write_gin(cfg, model_dir, {},
+                                                 lambda: experiment.prepare_data(cfg)))
         return last_metrics(model_dir, "train_eval")["loss"]
 
     import os

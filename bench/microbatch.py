@@ -27,13 +27,12 @@ SETTINGS = (1, 2, 4)
 def build(overrides: list[str], model_dir: Path):
     """(model, train data config, trainer class, partitioner) from the composed config's gin
     (a MoE experiment gets its MoeTrainer and MoePjitPartitioner)."""
-    from step_time import compose  # sibling script: bench/ is the script dir on sys.path
+    from step_time import compose, prepared_gin  # sibling script: bench/ is on sys.path
 
     import gin
-    from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils
 
-    path = experiment.write_gin(compose(overrides, model_dir), model_dir, {})
+    path = prepared_gin(compose(overrides, model_dir), model_dir)
     gin_utils.parse(path)
     get = lambda name: gin.query_parameter(name).scoped_configurable_fn  # noqa: E731
     return (get("train_script.train.model")(), get("train_script.train.train_dataset_cfg")(),

@@ -36,6 +36,17 @@ def compose(overrides: list[str], model_dir: Path):
         return hydra_compose("config", overrides=[f"model_dir={model_dir}", *overrides])
 
 
+def prepared_gin(cfg, model_dir: Path) -> Path:
+    """config.gin for `cfg` in model_dir, the data it reads built first, as a run builds
+    them (the data dir exported for the tasks, experiment.prepare_data: tasks only read)."""
+    import os
+
+    from capibara_exp import experiment
+
+    os.environ[experiment.DATA_DIR_ENV] = str(cfg.data_dir)
+    return experiment.write_gin(cfg, model_dir, {}, lambda: experiment.prepare_data(cfg))
+
+
 def bare_loop(model, batch: dict, steps: int) -> tuple[float, float]:
     """(median seconds per step, FLOPs per step) of a minimal jitted train step."""
     shape = batch["decoder_target_tokens"].shape
@@ -70,7 +81,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import gin
-    from capibara_exp import experiment
     from capibara_exp.runtime import gin_utils, inputs
     from capibara_exp.runtime.metrics import matmul_peak_flops
 
@@ -81,7 +91,7 @@ def main() -> None:
         cfg = compose([f"trainer.train_steps={steps + 1}", f"trainer.eval_period={steps + 1}",
                        f"trainer.stats_period={steps + 1}", "trainer.eval_steps=0",
                        f"checkpoint.checkpoint_period={steps + 1}", *args.overrides], model_dir)
-        path = experiment.write_gin(cfg, model_dir, {})
+        path = prepared_gin(cfg, model_dir)
         gin_utils.parse(path)
         model = gin.query_parameter("train_script.train.model").scoped_configurable_fn()
         train_ref = gin.query_parameter("train_script.train.train_dataset_cfg")

@@ -16,6 +16,7 @@ from capibara_exp.base import environment, phases, topologies
 from capibara_exp.base.errors import ConfigError, RunError
 from capibara_exp.base.paths import CONF_DIR, GIN_DIR
 from capibara_exp.composing import gin_actions, gin_bridge
+from capibara_exp.data import corpus
 from capibara_exp.data.e2b import built
 from capibara_exp.launch import distributed, peers, tpu_vm
 
@@ -78,24 +79,39 @@ def gin_engine(cfg: DictConfig) -> str:
     return cfg.engine.runtime if cfg.engine.name == "tpu_vm" else cfg.engine.name
 
 
+def data_builds(cfg: DictConfig) -> list[str]:
+    """The built data sets a run reads, by their `capibara-exp-data datasets` names: the
+    text corpus (data/corpus.py) when a task it reads (its data, a curriculum stage, the
+    inference eval) is the corpus' task, the E2B data (data/e2b/built.py) when such a task's
+    module is one that reads them (the code-generation eval not with its own logs)."""
+    stages = (cfg.get("curriculum") or {}).get("curriculum_stages") or []
+    infer_eval = cfg.get("infer_eval") or {}
+    names = {cfg.data.get("mixture_or_task_name"), infer_eval.get("infer_eval_task"),
+             *(s.get("mixture_or_task_name") for s in stages)}
+    modules = {cfg.data.get("mixture_or_task_module"), *(s.get("module") for s in stages)}
+    if not os.environ.get(built.CODEGEN_LOGS_ENV):
+        modules.add(infer_eval.get("infer_eval_module"))
+    needs = [corpus.CORPUS_NAME] if any(corpus.reads_corpus(n) for n in names) else []
+    return needs + ([built.DATASET] if modules & set(E2B_TASK_MODULES) else [])
+
+
 def reads_e2b_data(cfg: DictConfig) -> bool:
     """Whether a task the run reads (its data, a curriculum stage, the inference eval
     without its own logs) reads the built E2B data."""
-    stages = (cfg.get("curriculum") or {}).get("curriculum_stages") or []
-    modules = {cfg.data.get("mixture_or_task_module"), *(s.get("module") for s in stages)}
-    if not os.environ.get(built.CODEGEN_LOGS_ENV):
-        modules.add((cfg.get("infer_eval") or {}).get("infer_eval_module"))
-    return bool(modules & set(E2B_TASK_MODULES))
+    return built.DATASET in data_builds(cfg)
 
 
 def prepare_data(cfg: DictConfig) -> None:
-    """Build the E2B data a run reads before JAX starts (the build's one trigger besides
-    capibara-exp-data; tasks only read them): its builder executes code in subprocesses,
-    and forking a process that runs JAX is unsafe (and JAX warns each time)."""
-    if reads_e2b_data(cfg):
+    """Build the data a run reads (data_builds) before JAX starts: with capibara-exp-data,
+    the builds' one trigger (tasks only read them). The E2B builder executes code in
+    subprocesses, and forking a process that runs JAX is unsafe (and JAX warns each time)."""
+    needs = data_builds(cfg)
+    data_dir = os.environ.get(DATA_DIR_ENV) or cfg.data_dir
+    if corpus.CORPUS_NAME in needs:
+        corpus.build_corpus(data_dir)  # its own phase line, when it builds
+    if built.DATASET in needs:
         from capibara_exp.data.e2b import build
 
-        data_dir = os.environ.get(DATA_DIR_ENV) or cfg.data_dir
         with phases.phase(f"building the routing data under {data_dir} (first use only)"):
             build.ensure_built(data_dir)
 

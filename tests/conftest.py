@@ -43,14 +43,27 @@ def _session_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One data dir for the whole session; the corpus task builds its files there on first
-    read, the E2B data are built by `e2b_data`. pytest-xdist's workers share it (the corpus
-    is written atomically and the routing build holds a lock, so one worker builds while
-    the others wait)."""
+    """One data dir for the whole session, the text corpus built in it as a run's data
+    preparation (or `capibara-exp-data`) builds it: the tasks only read. The E2B data are
+    built by `e2b_data`. pytest-xdist's workers share it (the corpus is written atomically,
+    its manifest last, and the routing build holds a lock, so one worker builds while the
+    others wait)."""
+    from capibara_exp.data import corpus
+
     path = Path(os.environ.get("CAPIBARA_TEST_DATA_DIR") or _session_dir(tmp_path_factory, "data"))
     path.mkdir(parents=True, exist_ok=True)
     os.environ["CAPIBARA_DATA_DIR"] = str(path)
+    corpus.build_corpus(path)
     return path
+
+
+@pytest.fixture
+def corpus_data(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The session's data dir with its text corpus, for a test that reads the corpus' task
+    in this process: $CAPIBARA_DATA_DIR set to it for the test (an earlier test in the
+    worker may have pointed it at data of its own, and the task only reads)."""
+    monkeypatch.setenv("CAPIBARA_DATA_DIR", str(data_dir))
+    return data_dir
 
 
 @pytest.fixture(scope="session")

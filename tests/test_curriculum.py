@@ -22,7 +22,7 @@ UPPER = "capibara_test_bytes_lm_upper"
 
 def _upper_lines(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
     del shuffle_files, seed
-    corpus.build_corpus(tasks.data_dir())
+    corpus.manifest(tasks.data_dir())  # a task only reads: NotBuilt when nothing is built
     path = corpus.corpus_dir(tasks.data_dir()) / f"{split}.txt"
     return tf.data.TextLineDataset(str(path)).map(lambda line: {"targets": tf.strings.upper(line)})
 
@@ -52,7 +52,8 @@ class StopAt(BaseAction):
 
 def run(model_dir: Path, *overrides: str, actions: dict | None = None):
     cfg = compose_config([f"model_dir={model_dir}", *TINY, *overrides])
-    return gin_utils.run_train(experiment.write_gin(cfg, model_dir, {}), actions=actions)
+    path = experiment.write_gin(cfg, model_dir, {}, lambda: experiment.prepare_data(cfg))
+    return gin_utils.run_train(path, actions=actions)
 
 
 def test_stages_are_checked_and_located() -> None:
@@ -71,7 +72,7 @@ def test_stages_are_checked_and_located() -> None:
 
 @pytest.mark.slow
 def test_resume_mid_stage_two_ends_with_the_uninterrupted_parameters(tmp_path: Path,
-                                                                     data_dir) -> None:
+                                                                     corpus_data) -> None:
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run(straight, *COMMON)[0] == 5
     assert run(stopped, *COMMON, actions={"TRAIN_EVAL": [StopAt(4)]})[0] == 4  # mid-stage 2
@@ -112,7 +113,7 @@ def _records(model_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_stages_have_their_own_learning_rate_batch_size_and_frozen_modules(
-        tmp_path: Path, data_dir) -> None:
+        tmp_path: Path, corpus_data) -> None:
     from capibara_exp.runtime.utils import create_learning_rate_scheduler
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"

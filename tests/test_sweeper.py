@@ -669,7 +669,8 @@ def test_sampler_and_pruner_options_are_checked_by_optuna(tmp_path: Path) -> Non
 # ----------------------------------------------------------------------------- input reuse
 
 
-def test_trials_in_one_process_replay_the_batches_a_new_pipeline_makes(data_dir: Path) -> None:
+def test_trials_in_one_process_replay_the_batches_a_new_pipeline_makes(
+        corpus_data: Path) -> None:
     import numpy as np
     import seqio
 

@@ -30,9 +30,10 @@ TINY = ["model.emb_dim=32", "model.num_heads=2", "model.head_dim=16", "model.mlp
 
 
 def train(model_dir: Path, *overrides: str):
-    """Compose, render and run config.gin like the CLI does (in this process)."""
+    """Compose, render and run config.gin like the CLI does (in this process): the data it
+    reads prepared first (experiment.prepare_data; the tasks only read)."""
     cfg = compose_config([f"model_dir={model_dir}", *TINY, *overrides])
-    path = experiment.write_gin(cfg, model_dir, {})
+    path = experiment.write_gin(cfg, model_dir, {}, lambda: experiment.prepare_data(cfg))
     return gin_utils.run_train(path)
 
 
@@ -50,7 +51,8 @@ def leaves_equal(a, b) -> bool:
 
 
 @pytest.mark.entry
-def test_two_step_training_writes_checkpoint_metrics_and_configs(tmp_path: Path, data_dir) -> None:
+def test_two_step_training_writes_checkpoint_metrics_and_configs(
+        tmp_path: Path, corpus_data) -> None:
     step, state = train(tmp_path, "trainer.train_steps=2", "trainer.eval_period=2",
                         "checkpoint.checkpoint_period=2")
     assert step == 2 and int(state.step) == 2
@@ -74,7 +76,8 @@ def test_two_step_training_writes_checkpoint_metrics_and_configs(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_stop_and_resume_ends_with_the_uninterrupted_parameters(tmp_path: Path, data_dir) -> None:
+def test_stop_and_resume_ends_with_the_uninterrupted_parameters(
+        tmp_path: Path, corpus_data) -> None:
     common = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2",
               "checkpoint.checkpoints_to_keep=null"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -89,7 +92,7 @@ def test_stop_and_resume_ends_with_the_uninterrupted_parameters(tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path, data_dir) -> None:
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path, corpus_data) -> None:
     common = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
     train(tmp_path, "trainer.train_steps=2", *common)
     good = read_checkpoint(tmp_path, 2)
@@ -101,7 +104,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path, data_
 
 
 @pytest.mark.slow
-def test_no_checkpoint_verifying_is_an_error_naming_each(tmp_path: Path, data_dir) -> None:
+def test_no_checkpoint_verifying_is_an_error_naming_each(tmp_path: Path, corpus_data) -> None:
     common = ["trainer.eval_period=2", "checkpoint.checkpoint_period=2"]
     train(tmp_path, "trainer.train_steps=2", *common)
     data_files = [p for p in (tmp_path / "checkpoint_2" / "state").rglob("*")
@@ -116,7 +119,8 @@ def test_no_checkpoint_verifying_is_an_error_naming_each(tmp_path: Path, data_di
 
 
 @pytest.mark.slow
-def test_checkpoint_steps_add_saves_and_only_the_last_n_are_kept(tmp_path: Path, data_dir) -> None:
+def test_checkpoint_steps_add_saves_and_only_the_last_n_are_kept(
+        tmp_path: Path, corpus_data) -> None:
     # T5X's checkpoint_steps: step 3 is saved although the period is 2 (saves: 2, 3, 4, 6).
     train(tmp_path, "trainer.train_steps=6", "trainer.eval_period=2",
           "checkpoint.checkpoint_period=2", "checkpoint.checkpoints_to_keep=3",
@@ -149,7 +153,7 @@ def test_sizes_that_cannot_fit_fail_before_anything_is_allocated(tmp_path, overr
     assert "\n" not in str(err.value) and not checkpoints.steps(tmp_path)
 
 
-def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, data_dir) -> None:
+def test_a_one_step_run_still_evaluates_and_checkpoints(tmp_path: Path, corpus_data) -> None:
     step, _ = train(tmp_path, "trainer.train_steps=1", "trainer.eval_period=1",
                     "checkpoint.checkpoint_period=1")
     assert step == 1 and checkpoints.steps(tmp_path) == [1]
@@ -178,7 +182,7 @@ class Record(BaseAction):
         return False
 
 
-def test_gin_bound_actions_and_a_callers_actions_both_run(tmp_path: Path, data_dir) -> None:
+def test_gin_bound_actions_and_a_callers_actions_both_run(tmp_path: Path, corpus_data) -> None:
     """A sweep trial's pruning action joins the actions config.gin binds (here early stopping);
     T5X's run_eval_before_training evaluates (and runs TRAIN_EVAL actions) at the start step,
     and TRAIN actions get each train report when metrics are not concurrent."""
@@ -229,7 +233,8 @@ _UNSUPPORTED = [
 
 @pytest.mark.parametrize("binding, message", _UNSUPPORTED)
 def test_unsupported_t5x_parameters_are_errors_naming_the_binding(binding: str, message: str,
-                                                                  tmp_path: Path) -> None:
+                                                                  tmp_path: Path,
+                                                                  corpus_data) -> None:
     """Raised while gin builds the configs or as train starts: nothing trains."""
     cfg = compose_config([f"model_dir={tmp_path}", *TINY, f"gin_bindings=[\"{binding}\"]"])
     path = experiment.write_gin(cfg, tmp_path, {})
@@ -251,7 +256,8 @@ def test_unsupported_t5x_parameters_are_errors_naming_the_binding(binding: str, 
                                 r"concurrent_metrics = False"),
 ])
 def test_config_mistakes_found_when_gin_builds_objects_are_one_line_errors(
-        overrides: list[str], actions: dict | None, message: str, tmp_path: Path) -> None:
+        overrides: list[str], actions: dict | None, message: str, tmp_path: Path,
+        corpus_data) -> None:
     cfg = compose_config([f"model_dir={tmp_path}", *TINY, *overrides])
     path = experiment.write_gin(cfg, tmp_path, {})
     with pytest.raises(ConfigError, match=message) as err:

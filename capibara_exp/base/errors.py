@@ -11,6 +11,13 @@ class ConfigError(ValueError):
     """A configuration or input mistake, reported with the key, file or line it comes from."""
 
 
+class NotBuilt(ConfigError):
+    """The data a task reads are not built under the data dir: one line naming the command
+    that builds them (data/e2b/built.py: read_manifest). Here, not beside its reader, so
+    that the runtime and T5X's launcher can tell it from other errors without reaching
+    into the offline data pipeline."""
+
+
 class RunError(RuntimeError):
     """A correctly configured run that could not go on (diverged, preempted, out of memory);
     the message says what was kept (e.g. the last good checkpoint)."""

@@ -2,7 +2,9 @@
 
 Real prose that no one here wrote, present on every machine, no download. Built once
 into `<data_dir>/bytes_lm/` with a manifest; the split is a hash of each line, so it is
-deterministic for a given Python version.
+deterministic for a given Python version. Its build has the E2B data's two doors:
+`capibara-exp-data` and a run's data preparation (experiment.prepare_data); the task that
+reads it (data/tasks.py, TASK) only reads, through `manifest`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import sysconfig
 from pathlib import Path
 
 from capibara_exp.base import atomic
+from capibara_exp.data.e2b import built
 
-CORPUS_NAME = "bytes_lm"
+CORPUS_NAME = "bytes_lm"  # also its name in capibara-exp-data's `datasets`
+TASK = "capibara_bytes_lm"  # the SeqIO task reading it (and TASK_<vocabulary tag> variants)
+MANIFEST = "manifest.json"  # written last: a corpus without it is not built
 VALIDATION_PERCENT = 5
 MAX_LINE_CHARS = 480
 MIN_LINE_CHARS = 40
@@ -79,12 +84,26 @@ def _is_validation(line: str) -> bool:
     return int(hashlib.sha256(line.encode()).hexdigest()[:8], 16) % 100 < VALIDATION_PERCENT
 
 
-def build_corpus(data_dir: str | os.PathLike) -> dict:
-    """Build train.txt / validation.txt once; return the manifest."""
+def reads_corpus(task: str | None) -> bool:
+    """Whether the task or mixture named `task` is the one that reads this corpus."""
+    return bool(task) and (task == TASK or task.startswith(f"{TASK}_"))
+
+
+def manifest(data_dir: str | os.PathLike) -> dict:
+    """The manifest of the corpus built under `data_dir`, never building: NotBuilt naming
+    the command that builds it when there is none."""
+    return built.read_manifest(corpus_dir(data_dir) / MANIFEST, "text corpus", data_dir,
+                               f"'datasets=[{CORPUS_NAME}]'")
+
+
+def build_corpus(data_dir: str | os.PathLike, force: bool = False) -> dict:
+    """Build train.txt / validation.txt once (again with `force`); return the manifest."""
     out_dir = corpus_dir(data_dir)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.exists():
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.exists() and not force:
         return json.loads(manifest_path.read_text())
+    if force:  # a rebuild: not built until its manifest is back
+        manifest_path.unlink(missing_ok=True)
     from capibara_exp.base import phases
 
     with phases.phase(f"building the text corpus under {out_dir} (first use only)") as shown:
@@ -115,3 +134,9 @@ def _read_splits(sources: tuple[Path, ...], shown: object) -> dict[str, list[str
                 seen.add(line)
                 splits["validation" if _is_validation(line) else "train"].append(line)
     return splits
+
+
+def summary(manifest: dict, data_dir: str | os.PathLike) -> dict:
+    """What `capibara-exp-data` prints about the corpus: its manifest and lines per split."""
+    return {"manifest": str(corpus_dir(data_dir) / MANIFEST),
+            "lines": {split: v["lines"] for split, v in manifest["splits"].items()}}

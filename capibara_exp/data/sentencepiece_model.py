@@ -40,7 +40,7 @@ def train(out: str | os.PathLike, data_dir: str | os.PathLike, vocab_size: int =
     import sentencepiece as spm
 
     out = check_settings(out, vocab_size, model_type)
-    corpus.build_corpus(data_dir)
+    corpus.build_corpus(data_dir)  # what it trains on, built here first (as a run builds it)
     text = corpus.corpus_dir(data_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.stem}.training-{os.getpid()}")

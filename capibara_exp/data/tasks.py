@@ -1,7 +1,10 @@
 """SeqIO tasks of the project, registered on import (T5X: DatasetConfig.module).
 
 The data directory comes from $CAPIBARA_DATA_DIR (the CLI sets it from `data_dir`), as
-TFDS_DATA_DIR does for TFDS; a task builds its files on first read.
+TFDS_DATA_DIR does for TFDS. The tasks only read: a run's data preparation
+(experiment.prepare_data, before JAX starts) or `capibara-exp-data` builds what they read,
+and a task that finds nothing built fails with one line naming the command that builds it
+(NotBuilt, from data/e2b/built.py's read_manifest).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from capibara_exp.data import corpus, vocabularies
 
 DATA_DIR_ENV = "CAPIBARA_DATA_DIR"
 DEFAULT_DATA_DIR = Path.home() / ".cache" / "capibara-exp" / "data"
-BYTES_LM = "capibara_bytes_lm"
+BYTES_LM = corpus.TASK
 
 VOCABULARY = seqio.ByteVocabulary()
 LM_OUTPUT_FEATURES = {"targets": seqio.Feature(vocabulary=VOCABULARY, add_eos=True)}
@@ -28,7 +31,7 @@ def data_dir() -> Path:
 
 def _corpus_lines(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
     del shuffle_files, seed  # one file per split; examples are shuffled by seqio
-    corpus.build_corpus(data_dir())
+    corpus.manifest(data_dir())  # NotBuilt: the command that builds it
     path = corpus.corpus_dir(data_dir()) / f"{split}.txt"
     return tf.data.TextLineDataset(str(path)).map(lambda line: {"text": line})
 

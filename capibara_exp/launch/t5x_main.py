@@ -1,7 +1,8 @@
 """`python -m capibara_exp.launch.t5x_main T5X_FLAGS`: T5X's own train script (the module
 t5x.train, run as __main__ as `python -m t5x.train` runs it), with capibara-exp's process
 set-up first: TensorFlow's and absl's notices off unless verbose, XLA compiles shown when
-they last. engine=t5x runs this; the flags are t5x.train's."""
+they last; data a task reads that are not built end it with one line naming the command
+that builds them, exit 2. engine=t5x runs this; the flags are t5x.train's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import runpy
 import sys
 
 from capibara_exp.base import environment, phases
+from capibara_exp.base.errors import NotBuilt
 
 VERBOSE_ENV = "CAPIBARA_VERBOSE"
 
@@ -40,7 +42,13 @@ def main() -> None:
     phases.show_compiles()
     logging.getLogger().addHandler(_T5XPhases())
     sys.argv[0] = "t5x.train"
-    runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("t5x.train", run_name="__main__", alter_sys=True)
+    except NotBuilt as err:  # data a task reads not built: the one line naming the command
+        line = str(err).splitlines()[0]  # without the call notes gin appends below it
+        print(f"capibara_exp.launch.t5x_main: configuration error: {line}", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
 
 
 def _time_the_train_data() -> None:

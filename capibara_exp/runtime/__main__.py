@@ -4,6 +4,7 @@ config.gin with the local engine, as each worker of a multi-host launch does."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from capibara_exp.base import environment
@@ -27,7 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         gin_utils.run_train(args.config_gin)
     except ConfigError as err:
-        print(f"capibara_exp.runtime: configuration error: {err}", file=sys.stderr)
+        print(f"capibara_exp.runtime: configuration error: {err}", file=sys.stderr, flush=True)
+        # the one line is the outcome: a library's thread still winding down as the process
+        # exits (orbax's cleanup of temporary checkpoint paths, its executor already shut)
+        # would log a traceback after it
+        logging.disable(logging.CRITICAL)
         sys.exit(2)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import gin
-from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.errors import ConfigError, NotBuilt
 from capibara_exp.composing.gin_bridge import BINDING_MARK
 from gin import config_parser
 
@@ -196,6 +196,8 @@ def run_train(path: str | Path, actions: dict | None = None) -> Any:
                              for mode in dict.fromkeys([*bound, *actions])}
     try:
         return train(**kwargs)
+    except NotBuilt as err:  # data a task reads not built: its one line, not gin's call notes
+        raise NotBuilt(_IN_CALL_RE.sub("", str(err)).strip()) from None
     except Exception as err:
         config_error = _config_error(err, path, text)
         if config_error is None:
