@@ -22,6 +22,7 @@ from step_time import bare_loop, compose, prepared_gin
 
 def model_and_batch(overrides: list[str], model_dir: Path):
     import gin
+
     from capibara_exp.runtime import gin_utils, inputs
 
     cfg = compose(["trainer.eval_steps=0", *overrides], model_dir)

@@ -27,9 +27,9 @@ SETTINGS = (1, 2, 4)
 def build(overrides: list[str], model_dir: Path):
     """(model, train data config, trainer class, partitioner) from the composed config's gin
     (a MoE experiment gets its MoeTrainer and MoePjitPartitioner)."""
+    import gin
     from step_time import compose, prepared_gin  # sibling script: bench/ is on sys.path
 
-    import gin
     from capibara_exp.runtime import gin_utils
 
     path = prepared_gin(compose(overrides, model_dir), model_dir)

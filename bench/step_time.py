@@ -81,6 +81,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import gin
+
     from capibara_exp.runtime import gin_utils, inputs
     from capibara_exp.runtime.metrics import matmul_peak_flops
 

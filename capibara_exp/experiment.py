@@ -311,7 +311,8 @@ def launch_tpu_vm(cfg: DictConfig, run_dir: Path, choices: dict[str, str | None]
     topology = tpu_vm.check(cfg)
     gin_path = write_gin(cfg, run_dir, choices)
     launch = run_dir / tpu_vm.SCRIPT
-    launch.write_text(tpu_vm.script(cfg, topology, str(gin_path), run_dir.name))
+    launch.write_text(tpu_vm.script(cfg, topology, str(gin_path), run_dir.name,
+                                    data_builds(cfg)))
     launch.chmod(0o755)
     if cfg.engine.dry_run:
         print(launch.read_text())

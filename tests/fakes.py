@@ -36,8 +36,10 @@ def fake_slice(root: Path) -> dict[str, str]:
                 FAKE_SLICE_DIR=str(root))
 
 
-def launch_script(root: Path, gin_path: Path, model_dir: Path, python: str, **engine) -> Path:
-    """The engine=tpu_vm launch script for one fake host (v5e-4: one worker)."""
+def launch_script(root: Path, gin_path: Path, model_dir: Path, python: str,
+                  builds: tuple[str, ...] = (), **engine) -> Path:
+    """The engine=tpu_vm launch script for one fake host (v5e-4: one worker), building
+    `builds` (capibara-exp-data's datasets) first."""
     from capibara_exp.base.paths import CONF_DIR
     from capibara_exp.launch import tpu_vm
 
@@ -49,5 +51,5 @@ def launch_script(root: Path, gin_path: Path, model_dir: Path, python: str, **en
                    "model_dir": str(model_dir), "python": python, **engine}})
     topology = tpu_vm.check(cfg)
     path = root / "launch_tpu_vm.sh"
-    path.write_text(tpu_vm.script(cfg, topology, str(gin_path), "run"))
+    path.write_text(tpu_vm.script(cfg, topology, str(gin_path), "run", list(builds)))
     return path

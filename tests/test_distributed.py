@@ -124,7 +124,12 @@ def test_tpu_vm_dry_run_writes_the_launch_script(tmp_path, runtime):
     # on every worker, the same gin, shared dirs.
     assert "--accelerator-type=v5litepod-64" in script and "16 worker host(s)" in script
     lines = [line.strip() for line in script.splitlines() if line.strip().startswith("gcloud")]
+    build = [line for line in lines if "--worker=0" in line]
+    lines = [line for line in lines if line not in build]
     assert len(lines) == 3 and all("--worker=all" in line for line in lines)
+    # what the run reads is built once, on worker 0, into the shared data dir, before the job
+    assert len(build) == 1 and "capibara_exp.cli.data data_dir=/mnt/shared/data" in build[0]
+    assert script.index(build[0]) < script.index(lines[2])
     assert "while true; do" in script and "MAX_RESTARTS=3" in script  # the job restarts
     assert "scp" in lines[1] and str(tmp_path / "run" / "config.gin") in lines[1]
     remote_gin = lines[1].split("my-slice:")[1].split()[0]
@@ -144,7 +149,8 @@ def test_tpu_vm_workers_run_under_the_experiments_libtpu_flags(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     script = (tmp_path / "run" / "launch_tpu_vm.sh").read_text()
-    job = next(line for line in script.splitlines() if "--command=" in line and "&&" in line)
+    job = next(line for line in script.splitlines()
+               if "--worker=all" in line and "--command=" in line and "&&" in line)
     command = next(a for a in shlex.split(job) if a.startswith("--command="))
     exports = [step for step in command.removeprefix("--command=").split(" && ")
                if step.startswith("export ")]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from capibara_exp.base.errors import ConfigError
+from capibara_exp.data import corpus
 from tests.fakes import executable, fake_slice, launch_script
 
 # The worker's "python": each start appends a line; the n-th start does what FATES[n] says.
@@ -78,3 +80,38 @@ def test_restart_settings_are_checked(tmp_path, key, value, message) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         launch_script(tmp_path, tmp_path / "config.gin", tmp_path / "shared" / "run", "python",
                       **{key: value})
+
+
+# The worker's "python" for the data build: the data console script runs for real (this
+# interpreter), the job only records that it started.
+BUILDING_WORKER = r"""#!/usr/bin/env bash
+if [ "$1 $2" = "-m capibara_exp.cli.data" ]; then
+  echo "build: $*" >> "$FAKE_SLICE_DIR/starts"; exec "$REAL_PYTHON" "$@"
+fi
+echo "job: $*" >> "$FAKE_SLICE_DIR/starts"
+"""
+
+
+@pytest.mark.parametrize("datasets, code", [(("bytes_lm",), 0), (("no_such_data",), 2)])
+def test_worker_0_builds_what_the_run_reads_before_the_job(tmp_path, datasets, code) -> None:
+    """The workers only read the data: worker 0 builds it into the shared data dir first
+    (capibara-exp-data, for real); a build that fails on its input stops the launch."""
+    env = dict(fake_slice(tmp_path), REAL_PYTHON=sys.executable)
+    worker = executable(tmp_path / "fake_python", BUILDING_WORKER)
+    gin = tmp_path / "config.gin"
+    gin.write_text("# a config.gin\n")
+    script = launch_script(tmp_path, gin, tmp_path / "shared" / "run", str(worker),
+                           builds=datasets)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == code, done.stderr[-2000:]
+    starts = (tmp_path / "starts").read_text().splitlines()
+    data_dir = tmp_path / "shared" / "data"
+    assert starts[0] == (f"build: -m capibara_exp.cli.data data_dir={data_dir} "
+                         f"datasets=[{datasets[0]}]")
+    if code == 0:
+        assert len(starts) == 2 and starts[1].startswith("job: -m capibara_exp.runtime")
+        assert (corpus.corpus_dir(data_dir) / "manifest.json").is_file()
+    else:
+        assert len(starts) == 1 and "no_such_data" in done.stderr
+        assert not data_dir.exists() or not any(data_dir.iterdir())

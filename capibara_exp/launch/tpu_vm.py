@@ -115,8 +115,20 @@ def _restart_loop(e: Any, job: list[str], model_dir: str) -> list[str]:
     ]
 
 
-def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str) -> str:
-    """The bash script: copy config.gin to every worker, then run on all workers, restarting
+def build_command(cfg: Any, data_dir: str, builds: list[str]) -> str:
+    """What worker 0 runs once before the job: capibara-exp-data builds the data the run
+    reads (`builds`, its `datasets` names) into the shared data dir; the workers only read."""
+    e = cfg.engine
+    build = [e.python, "-m", "capibara_exp.cli.data", f"data_dir={data_dir}",
+             f"datasets=[{','.join(builds)}]"]
+    steps = [line for line in str(e.setup).splitlines() if line.strip()]
+    return " && ".join([*steps, shlex.join(build)])
+
+
+def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str,
+           builds: list[str] = ()) -> str:
+    """The bash script: copy config.gin to every worker, build the data the run reads
+    (`builds`) on worker 0 into the shared data dir, then run on all workers, restarting
     the job when it fails or is preempted."""
     e = cfg.engine
     where = [f"--zone={e.zone}"] + ([f"--project={e.project}"] if e.get("project") else [])
@@ -130,6 +142,7 @@ def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str) -> s
               f"--accelerator-type={topology.accelerator_type}",
               f"--version={RUNTIME_VERSIONS.get(topology.chip.kind, 'tpu-ubuntu2204-base')}"]
     job = [*ssh, f"--command={worker_command(cfg, gin_path, data_dir)}"]
+    build = [*ssh[:-1], "--worker=0", f"--command={build_command(cfg, data_dir, builds)}"]
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# Written by capibara-exp (engine=tpu_vm, runtime {e.runtime}) for {cfg.name} on "
@@ -141,6 +154,7 @@ def script(cfg: Any, topology: Topology, gin_text_path: str, run_name: str) -> s
         "set -uo pipefail",
         shlex.join([*ssh, f"--command=mkdir -p {shlex.quote(target)}"]) + " || exit",
         shlex.join(scp) + " || exit",
+        *([shlex.join(build) + " || exit"] if builds else []),
         *_restart_loop(e, job, str(cfg.model_dir)),
         "",
     ])

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import gin
+from gin import config_parser
+
 from capibara_exp.base.errors import ConfigError, NotBuilt
 from capibara_exp.composing.gin_bridge import BINDING_MARK
-from gin import config_parser
 
 OPERATIVE_CONFIG = "operative_config.gin"
 # The local engine's edge: its DatasetConfigs take the packer config.gin configures
