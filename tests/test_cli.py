@@ -40,16 +40,25 @@ def lines(text: str) -> list[str]:
                                   ["model.emb_dm=64"], ["trainer.train_steps=-5"],
                                   ["engine=tpu"]])
 def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_path: Path) -> None:
-    """--help, --cfg job and a mistake found when composing (one key) load none of them."""
-    probe = ("import sys; from capibara_exp.cli import main as cli\n"
+    """--help, --cfg job and a mistake found when composing (one key) load none of them, and
+    end without the interpreter's teardown (cli/light_exit.py): their output flushed, their
+    exit status kept, no exit handler left unrun but logging's (which it runs)."""
+    probe = ("import atexit, os, sys; from capibara_exp.cli import main as cli\n"
              "sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
+             "def ended(code):\n"
+             f"    print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules),\n"
+             "          'HANDLERS', atexit._ncallbacks(), flush=True)\n"
+             "    real(code)\n"
+             "real, os._exit = os._exit, ended\n"
              "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
-             f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+             "print('NOT ENDED')")
     out = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "HEAVY []" in out.stdout, out.stdout[-500:]
-    if not any(a.startswith("-") for a in args):  # the mistakes: refused, in one line
+    mistake = not any(a.startswith("-") for a in args)
+    assert out.returncode == (2 if mistake else 0), out.stderr
+    assert "HEAVY [] HANDLERS 1" in out.stdout, out.stdout[-500:]
+    assert "NOT ENDED" not in out.stdout
+    if mistake:  # refused, in one line
         assert error_lines(out.stderr)[0].startswith("capibara-exp: configuration error: ")
         assert len(lines(out.stderr)) == 1, out.stderr
 

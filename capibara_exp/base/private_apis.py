@@ -50,6 +50,15 @@ USES = (
         "libyaml's parser (see libyaml_for_omegaconf); Hydra's job composes as it always "
         "does."),
     PrivateUse(
+        "omegaconf._utils", "parse",
+        "the check OmegaConf makes of every string with an interpolation each time a node is "
+        "set (a file read, each merge, each copy): its grammar parses the whole string "
+        "(conf/config.yaml's help template, the run dir's pattern) in pure Python, a few ms a "
+        "string, the same strings again at every step of a composition. capibara-exp's own "
+        "compositions (cli/compose.py) check each string once a process (see "
+        "interpolations_checked_once): one that fails is checked, and fails, every time; "
+        "OmegaConf has no public switch for this check."),
+    PrivateUse(
         "hydra._internal.config_loader_impl", "ConfigLoaderImpl._apply_overrides_to_config",
         "Hydra's second step of a composition: the command line's overrides of the app's "
         "keys applied, in order, to the config its defaults list composed. A line that only "
@@ -110,6 +119,33 @@ def libyaml_for_omegaconf() -> Iterator[None]:
         yield
     finally:
         _utils.get_yaml_loader = saved
+
+
+_CHECKED: set[str] = set()  # interpolation strings OmegaConf's grammar accepted
+
+
+@contextlib.contextmanager
+def interpolations_checked_once() -> Iterator[None]:
+    """While the block runs, OmegaConf's check of an interpolation string's syntax (the
+    grammar's parse, whose tree it drops) runs once per string a process: a string that
+    parsed once parses again (see USES); one that fails fails each time, as before."""
+    from omegaconf import _utils
+
+    real = _utils.parse
+
+    def parse(value: str, *args: object, **kwargs: object) -> object:
+        if args or kwargs or value not in _CHECKED:
+            tree = real(value, *args, **kwargs)
+            if not (args or kwargs):
+                _CHECKED.add(value)
+            return tree
+        return None  # OmegaConf's check only asks whether it raises
+
+    _utils.parse = parse
+    try:
+        yield
+    finally:
+        _utils.parse = real
 
 
 def apply_hydra_overrides(overrides: list, cfg: object) -> None:

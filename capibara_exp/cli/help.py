@@ -78,4 +78,6 @@ def plain_job_config(line: CommandLine) -> bool:
 
 def job_config(cfg: object) -> str:
     """Hydra's `--cfg job` text for a composed config (its keys but `hydra`, unresolved)."""
+    if "hydra" not in cfg:  # a copy without it already (checks.without_hydra)
+        return OmegaConf.to_yaml(cfg)
     return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
