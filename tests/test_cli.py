@@ -117,6 +117,11 @@ BAD = [
     (["model.emb_dim=abc"], "model.emb_dim=abc (set by the command line): expected an integer"),
     (["schedule.base_learning_rate=fast"], "schedule.base_learning_rate=fast (set by the command "
                                            "line): expected a number > 0 and <= 1"),
+    # interpolations: checked resolved (the others as written: config_check._interpolated)
+    (["trainer.train_steps=${random_seed}"], "trainer.train_steps=0 (set by the command line): "
+                                             "expected an integer >= 1"),
+    (["model.emb_dim=${oc.env:CAPIBARA_NO_SUCH_VAR}"], "model.emb_dim (set by the command line): "
+                                                       "KeyError raised while resolving"),
     # key typos and options: a did-you-mean
     (["model.emb_dm=64"], "unknown key 'model.emb_dm' (set by the command line): the config has "
                           "no such key; did you mean 'model.emb_dim'?"),
