@@ -219,7 +219,6 @@ def _quiet_job_error(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Error executing job")
 
 
-
 class _OneLine(logging.Filter):
     """A library's log record without its traceback, on one line (verbose=true: whole)."""
 
