@@ -19,6 +19,9 @@ from tests.conftest import compose_config
 from tests.console_lines import error_lines
 
 HEAVY = ("jax", "tensorflow", "seqio", "flax")
+# ...nor what they need only for some configs: gin's parser (a user's gin text binding
+# actions), the TPU slice tables (a topology other than cpu)
+LAZY = ("gin", "capibara_exp.base.topologies")
 # What a quiet run must not print (TensorFlow's and absl's start-up lines, CUDA lookups,
 # oneDNN's notice, seqio's advice on uncached tasks, libtpu's probing).
 NOISE = re.compile(r"absl::InitializeLog|oneDNN|cuda|cuInit|FunctionDataset|^[IWE]\d{4} |"
@@ -40,16 +43,25 @@ def lines(text: str) -> list[str]:
                                   ["model.emb_dm=64"], ["trainer.train_steps=-5"],
                                   ["engine=tpu"]])
 def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_path: Path) -> None:
-    """--help, --cfg job and a mistake found when composing (one key) load none of them."""
-    probe = ("import sys; from capibara_exp.cli import main as cli\n"
+    """--help, --cfg job and a mistake found when composing (one key) load none of them (nor
+    LAZY's), and end without the interpreter's teardown (cli/light_exit.py): their output
+    flushed, their exit status kept, no exit handler left unrun but logging's (it runs)."""
+    probe = ("import atexit, os, sys; from capibara_exp.cli import main as cli\n"
              "sys.argv = ['capibara-exp', *sys.argv[1:]]\n"
+             "def ended(code):\n"
+             f"    print('HEAVY', sorted(m for m in {(*HEAVY, *LAZY)!r} if m in sys.modules),\n"
+             "          'HANDLERS', atexit._ncallbacks(), flush=True)\n"
+             "    real(code)\n"
+             "real, os._exit = os._exit, ended\n"
              "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
-             f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+             "print('NOT ENDED')")
     out = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "HEAVY []" in out.stdout, out.stdout[-500:]
-    if not any(a.startswith("-") for a in args):  # the mistakes: refused, in one line
+    mistake = not any(a.startswith("-") for a in args)
+    assert out.returncode == (2 if mistake else 0), out.stderr
+    assert "HEAVY [] HANDLERS 1" in out.stdout, out.stdout[-500:]
+    assert "NOT ENDED" not in out.stdout
+    if mistake:  # refused, in one line
         assert error_lines(out.stderr)[0].startswith("capibara-exp: configuration error: ")
         assert len(lines(out.stderr)) == 1, out.stderr
 
@@ -69,6 +81,7 @@ def test_help_lists_groups_sweeps_the_sweeper_and_the_other_scripts(tmp_path: Pa
 
 
 @pytest.mark.parametrize("args", [["--help"], ["experiment=dense_small_rope", "--help"],
+                                  ["hydra.help.template=$CONFIG", "--help"],  # (rendered lazily)
                                   ["--cfg", "job"], ["experiment=moe_e2b_tiny", "--cfg=job"],
                                   ["--cfg", "job", "--gin.nets.DecoderConfig.dropout_rate=0.1"]])
 def test_help_and_cfg_job_are_the_text_hydra_renders(args: list[str], tmp_path: Path) -> None:
@@ -104,6 +117,11 @@ BAD = [
     (["model.emb_dim=abc"], "model.emb_dim=abc (set by the command line): expected an integer"),
     (["schedule.base_learning_rate=fast"], "schedule.base_learning_rate=fast (set by the command "
                                            "line): expected a number > 0 and <= 1"),
+    # interpolations: checked resolved (the others as written: config_check._interpolated)
+    (["trainer.train_steps=${random_seed}"], "trainer.train_steps=0 (set by the command line): "
+                                             "expected an integer >= 1"),
+    (["model.emb_dim=${oc.env:CAPIBARA_NO_SUCH_VAR}"], "model.emb_dim (set by the command line): "
+                                                       "KeyError raised while resolving"),
     # key typos and options: a did-you-mean
     (["model.emb_dm=64"], "unknown key 'model.emb_dm' (set by the command line): the config has "
                           "no such key; did you mean 'model.emb_dim'?"),

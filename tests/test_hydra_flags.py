@@ -25,12 +25,16 @@ HYDRA_SCRIPTS = {
 FLAGS = [["--info"], ["--cfg", "job"], ["--cfg", "hydra", "--resolve", "--package", "hydra.job"],
          ["--cfg", "all"], ["--info", "defaults"], ["--help"], ["--hydra-help"]]
 
-OURS = ("import sys\n"
+OURS = ("import os, sys\n"
         "from capibara_exp.cli import {script} as cli\n"
         "sys.argv = ['capibara-exp-{script}', *sys.argv[1:]]\n"
+        "def heavy():\n"
+        "    print('HEAVY', sorted(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)\n"
+        "real_exit = os._exit  # (--help and --cfg job end there: cli/light_exit.py)\n"
+        "os._exit = lambda code: (heavy(), sys.stderr.flush(), real_exit(code))\n"
         "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
         "sys.stdout.flush()\n"
-        "print('HEAVY', sorted(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)\n"
+        "heavy()\n"
         "sys.exit(code)\n")
 HYDRA = ("import sys, hydra\n"
          "from capibara_exp.cli.common import register_sweeper\n"

@@ -53,11 +53,13 @@ def _absolute_gin_file(key: str, value: str) -> str:
 
 
 def check_run(comp: Composition, line: CommandLine,
-              starting: Callable[[], None] = lambda: None) -> None:
+              starting: Callable[[], None] = lambda: None,
+              copy: DictConfig | None = None) -> None:
     """capibara-exp's checks beyond the values: sweeps, engines, the rendered gin.
     `starting()` runs once the light checks pass, before the data build and the imports of
-    TensorFlow, JAX and SeqIO (what is found before it stays one line)."""
-    cfg = without_hydra(comp.cfg)
+    TensorFlow, JAX and SeqIO (what is found before it stays one line). `copy`: the config's
+    `without_hydra` copy, where the caller made one (the checks change it)."""
+    cfg = without_hydra(comp.cfg) if copy is None else copy
     if line.multirun:
         check_sweep(comp)
         if cfg.get("model_dir") is not None:

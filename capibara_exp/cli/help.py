@@ -35,11 +35,13 @@ def render(config_name: str, line: CommandLine) -> str:
     composing.keep(comp)
     cfg = comp.cfg
     template = string.Template(OmegaConf.select(cfg, "hydra.help.template"))
-    return template.safe_substitute(
-        # sweeps/ is on the search path through hydra.searchpath, which Hydra's listing
-        # does not follow: the template names the sweeps on a line of its own.
-        APP_CONFIG_GROUPS=config_groups([d for d in comp.search_dirs if d != SWEEPS_ROOT]),
-        CONFIG=job_config(cfg))  # the config without its hydra node, as Hydra prints it
+    # sweeps/ is on the search path through hydra.searchpath, which Hydra's listing does not
+    # follow: the template names the sweeps on a line of its own.
+    values = {"APP_CONFIG_GROUPS": config_groups([d for d in comp.search_dirs
+                                                  if d != SWEEPS_ROOT])}
+    if "CONFIG" in template.get_identifiers():  # printed only where a template shows it
+        values["CONFIG"] = job_config(cfg)  # the config without its hydra node, as Hydra's
+    return template.safe_substitute(values)
 
 
 def config_groups(search_dirs: list[Path]) -> str:
@@ -78,4 +80,6 @@ def plain_job_config(line: CommandLine) -> bool:
 
 def job_config(cfg: object) -> str:
     """Hydra's `--cfg job` text for a composed config (its keys but `hydra`, unresolved)."""
+    if "hydra" not in cfg:  # a copy without it already (checks.without_hydra)
+        return OmegaConf.to_yaml(cfg)
     return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))

@@ -33,8 +33,10 @@ def kept(argv: list[str]) -> str:
 
 @console(PROG, kept)
 def main(argv: list[str] | None = None) -> None:
+    from capibara_exp.cli import light_exit
     from capibara_exp.cli.common import checked_argv, register_sweeper, user_errors
 
+    light_exit.light(True)  # until a run's checks or Hydra's app start (light_exit.py)
     line, comp, hydra_argv = checked_argv(PROG, "config", sys.argv[1:] if argv is None else argv)
     from capibara_exp.cli import help as app_help
 
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             print(app_help.render("config", line))
         return
     if comp is not None:
+        light_exit.light(line.shows_config and not line.multirun)  # a run loads TF, JAX
         check_paths(comp, line)
         from capibara_exp.cli import checks
 
@@ -56,11 +59,16 @@ def main(argv: list[str] | None = None) -> None:
                 sweep = " (a sweep)" if line.multirun else ""
                 phases.starting(PROG, f" (engine={comp.cfg.engine.name}){sweep}")
 
+        # Hydra's text from this composition (not composed twice), from the copy without
+        # its hydra node that the checks take next (not copied twice)
+        copy = checks.without_hydra(comp.cfg)
+        shown = app_help.job_config(copy) if app_help.plain_job_config(line) else None
         with user_errors(PROG, prefix="configuration error: "):
-            checks.check_run(comp, line, starting)
-        if app_help.plain_job_config(line):  # Hydra's text from this composition: not twice
-            sys.stdout.write(app_help.job_config(comp.cfg))
+            checks.check_run(comp, line, starting, copy)
+        if shown is not None:
+            sys.stdout.write(shown)
             return
+    light_exit.light(False)  # Hydra's app: its job, its launchers, its log files
     sys.argv = [sys.argv[0], *hydra_argv]
     register_sweeper()
     if comp is None or not _writes_here(comp, line):

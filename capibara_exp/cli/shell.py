@@ -30,12 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from capibara_exp.base.errors import (
-    ENVIRONMENT_ERRNOS,
-    PREEMPTED_EXIT_CODE,
-    ConfigError,
-    Preempted,
-)
+from capibara_exp.base.errors import ENVIRONMENT_ERRNOS, PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from capibara_exp.cli import light_exit
 
 USER_ERROR = 2
 RUN_FAILED = 1
@@ -60,17 +56,23 @@ def console(prog: str, kept: Kept | None = None) -> Callable:
             hooks = (sys.excepthook, sys.unraisablehook, logging.raiseExceptions,
                      threading.excepthook)
             if not verbose:
-                logging.getLogger("hydra.core.utils").addFilter(_HYDRA_JOB_ERROR)
+                logging.getLogger("hydra.core.utils").addFilter(_quiet_job_error)
                 _quiet_libraries()
             said = (lambda: kept(args)) if kept else (lambda: "the inputs are as they were")
             previous = _install(prog, said)
             _current[:] = [(prog, args, said, verbose)]
             try:
-                return main(argv)
-            except (SystemExit, GeneratorExit):
+                result = main(argv)
+            except SystemExit as err:
+                light_exit.end(err.code, _console_process())  # a config command: no teardown
+                raise
+            except GeneratorExit:
                 raise
             except BaseException as err:  # noqa: BLE001 - the one place every failure ends
                 _handle(err)
+            else:
+                light_exit.end(None, _console_process())
+                return result
             finally:
                 _restore(previous)
                 if not _console_process():  # called in a process that goes on (tests)
@@ -215,9 +217,6 @@ def _multirun() -> bool:
 
 def _quiet_job_error(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Error executing job")
-
-
-_HYDRA_JOB_ERROR = _quiet_job_error
 
 
 class _OneLine(logging.Filter):

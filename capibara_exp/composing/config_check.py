@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from capibara_exp.base.errors import ConfigError
@@ -107,7 +107,9 @@ def check(comp: Composition, missing_ok: bool = False) -> None:
     keys = flatten(comp.config_name, raw)
     _check_unknown(comp, keys)
     missing = _check_missing(comp, keys, missing_ok)
-    values = {key: _resolved(comp, key) for key in keys if key not in missing}
+    # a value without an interpolation is itself resolved: only the others are looked up
+    values = {key: _resolved(comp, key) if _interpolated(value) else value
+              for key, value in keys.items() if key not in missing}
     for key, value in values.items():
         rule = config_schema.rule_for(comp.config_name, key, comp.defaults.get(key))
         problem = rule.problem(value) if rule else None
@@ -161,16 +163,29 @@ def group_dirs(root: Path) -> list[Path]:
 
 
 def _check_missing(comp: Composition, keys: dict[str, Any], missing_ok: bool) -> set[str]:
-    """The keys whose mandatory value is not given (an error unless `missing_ok`)."""
+    """The keys whose mandatory value is not given (an error unless `missing_ok`): `keys`
+    holds the unresolved values, where OmegaConf's mark of a missing one is its text."""
     missing = set()
-    for key in keys:
-        if OmegaConf.is_missing(_parent(comp.cfg, key), key.rsplit(".", 1)[-1]):
+    for key, value in keys.items():
+        if isinstance(value, str) and value == MISSING and \
+                OmegaConf.is_missing(_parent(comp.cfg, key), key.rsplit(".", 1)[-1]):
             if not missing_ok:
                 raise ConfigError(f"missing mandatory value (???) for: {key} (from "
                                   f"{comp.setter(key)}); give it on the command line: "
                                   f"{key}=...")
             missing.add(key)
     return missing
+
+
+def _interpolated(value: Any) -> bool:
+    """Whether an unresolved value (plain Python) holds an interpolation anywhere."""
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_interpolated(k) or _interpolated(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_interpolated(v) for v in value)
+    return False
 
 
 def _parent(cfg: DictConfig, key: str) -> Any:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from capibara_exp.base import model_facts, topologies
+from capibara_exp.base import model_facts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +154,12 @@ def PathRule(null: bool = False) -> Rule:  # noqa: N802
 
 
 def _is_topology(name: str) -> bool:
+    if name == "cpu":  # the default: the slices' tables load only for a slice
+        return True
+    from capibara_exp.base import topologies
+
     try:
-        return name == "cpu" or bool(topologies.get(name))
+        return bool(topologies.get(name))
     except ValueError:
         return False
 

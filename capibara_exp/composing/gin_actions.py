@@ -17,7 +17,9 @@ import re
 from collections.abc import Sequence
 
 from capibara_exp.base.errors import ConfigError
-from gin import config_parser
+
+# gin's parser loads only for a user's gin text that binds actions: `--cfg job` and a run
+# without one never import gin before the run's own check of config.gin
 
 MODES = ("TRAIN", "TRAIN_EVAL", "INFER_EVAL")  # T5X's action modes
 ACTION_MACRO_RE = re.compile(r"^\s*((TRAIN_EVAL|TRAIN|INFER_EVAL)_ACTION_[A-Z0-9_]+)\s*=", re.M)
@@ -25,14 +27,18 @@ NOTE = "# note (actions): "
 _ACTIONS_RE = re.compile(r"\bactions\s*=")  # config.gin lines the console repeats (notes())
 
 
-class _TextDelegate(config_parser.ParserDelegate):
-    """Parses references and macros back to their gin text."""
+def _text_delegate() -> object:
+    """A gin parser delegate that gives references and macros back as their gin text."""
+    from gin import config_parser
 
-    def configurable_reference(self, scoped_name: str, evaluate: bool) -> str:
-        return f"@{scoped_name}{'()' if evaluate else ''}"
+    class TextDelegate(config_parser.ParserDelegate):
+        def configurable_reference(self, scoped_name: str, evaluate: bool) -> str:
+            return f"@{scoped_name}{'()' if evaluate else ''}"
 
-    def macro(self, name: str) -> str:
-        return f"%{name}"
+        def macro(self, name: str) -> str:
+            return f"%{name}"
+
+    return TextDelegate()
 
 
 def template_actions(text: str) -> dict[str, list[str]]:
@@ -51,9 +57,11 @@ def user_actions(text: str, where: str) -> dict[str, list[str]] | None:
     parses config.gin and starts the run, which names the line."""
     if not _ACTIONS_RE.search(text):
         return None
+    from gin import config_parser
+
     found = None
     try:
-        for statement in config_parser.ConfigParser(text, _TextDelegate()):
+        for statement in config_parser.ConfigParser(text, _text_delegate()):
             if isinstance(statement, config_parser.BindingStatement) and \
                     _is_train_script(statement):
                 found = statement
@@ -71,7 +79,7 @@ def user_actions(text: str, where: str) -> dict[str, list[str]] | None:
     return {str(mode): [str(a) for a in acts] for mode, acts in value.items()}
 
 
-def _is_train_script(statement: config_parser.BindingStatement) -> bool:
+def _is_train_script(statement: object) -> bool:  # gin's BindingStatement
     full = f"{statement.selector}.{statement.arg_name}" if statement.arg_name else \
         statement.selector
     return full == "train_script.train.actions" and not statement.scope
