@@ -56,14 +56,8 @@ USES = (
         "(conf/config.yaml's help template, the run dir's pattern) in pure Python, a few ms a "
         "string, the same strings again at every step of a composition. capibara-exp's own "
         "compositions (cli/compose.py) check each string once a process (see "
-        "interpolations_parsed_once): one that fails is checked, and fails, every time; "
+        "interpolations_checked_once): one that fails is checked, and fails, every time; "
         "OmegaConf has no public switch for this check."),
-    PrivateUse(
-        "omegaconf.base", "parse",
-        "the parse of an interpolation string each time a node's value is resolved (the "
-        "merges of a composition dereference the same strings again); the same string gives "
-        "the same parse tree, which the resolution only reads. capibara-exp's compositions "
-        "reuse the tree of a string parsed before in the process (interpolations_parsed_once)."),
     PrivateUse(
         "hydra._internal.config_loader_impl", "ConfigLoaderImpl._apply_overrides_to_config",
         "Hydra's second step of a composition: the command line's overrides of the app's "
@@ -128,40 +122,30 @@ def libyaml_for_omegaconf() -> Iterator[None]:
 
 
 _CHECKED: set[str] = set()  # interpolation strings OmegaConf's grammar accepted
-_TREES: dict[str, object] = {}  # their parse trees, for resolutions
 
 
 @contextlib.contextmanager
-def interpolations_parsed_once() -> Iterator[None]:
-    """While the block runs, OmegaConf parses an interpolation string once a process (see
-    USES): its syntax check (whose tree it drops) is not made again for a string that
-    parsed, and a resolution reuses the tree of a string parsed before; a string that fails
-    fails each time, as before."""
-    from omegaconf import _utils, base
+def interpolations_checked_once() -> Iterator[None]:
+    """While the block runs, OmegaConf's check of an interpolation string's syntax (the
+    grammar's parse, whose tree it drops) runs once per string a process: a string that
+    parsed once parses again (see USES); one that fails fails each time, as before."""
+    from omegaconf import _utils
 
-    checking, resolving = _utils.parse, base.parse
+    real = _utils.parse
 
-    def check(value: str, *args: object, **kwargs: object) -> object:
+    def parse(value: str, *args: object, **kwargs: object) -> object:
         if args or kwargs or value not in _CHECKED:
-            tree = checking(value, *args, **kwargs)
+            tree = real(value, *args, **kwargs)
             if not (args or kwargs):
                 _CHECKED.add(value)
             return tree
         return None  # OmegaConf's check only asks whether it raises
 
-    def resolve(value: str, *args: object, **kwargs: object) -> object:
-        if args or kwargs:
-            return resolving(value, *args, **kwargs)
-        tree = _TREES.get(value)
-        if tree is None:
-            tree = _TREES[value] = resolving(value)
-        return tree
-
-    _utils.parse, base.parse = check, resolve
+    _utils.parse = parse
     try:
         yield
     finally:
-        _utils.parse, base.parse = checking, resolving
+        _utils.parse = real
 
 
 def apply_hydra_overrides(overrides: list, cfg: object) -> None:

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from capibara_exp.base.errors import ConfigError
 from capibara_exp.base.paths import CONF_DIR, SWEEPS_ROOT
-from capibara_exp.base.private_apis import interpolations_parsed_once, libyaml_for_omegaconf
+from capibara_exp.base.private_apis import interpolations_checked_once, libyaml_for_omegaconf
 from capibara_exp.cli import compose_cache, compose_rest, parsed_cache
 from capibara_exp.composing.config_check import (
     COMMAND_LINE,
@@ -108,7 +108,7 @@ def _reading() -> Iterator[None]:
     """Hydra set up to compose from conf/, its files read with libyaml and reused by their
     contents (parsed_cache.py), each interpolation's syntax checked once."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"), libyaml_for_omegaconf(), \
-            parsed_cache.reused(), interpolations_parsed_once():
+            parsed_cache.reused(), interpolations_checked_once():
         yield
 
 
