@@ -66,6 +66,26 @@ def test_config_paths_import_no_jax_tensorflow_or_seqio(args: list[str], tmp_pat
         assert len(lines(out.stderr)) == 1, out.stderr
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["model.emb_dm=64"]])
+def test_a_caller_that_goes_on_is_never_ended(args, tmp_path, monkeypatch, capsys) -> None:
+    """main(argv) called in a process that goes on (a test, a fuzzer) returns or raises
+    SystemExit even where sys.argv reads like the console script's: only the console
+    script's own call (main() reading argv) ends without the teardown."""
+    from capibara_exp.cli import main as cli
+
+    def ended(code: int) -> None:
+        raise AssertionError(f"os._exit({code}) in a process that goes on")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["capibara-exp", *args])
+    monkeypatch.setattr(os, "_exit", ended)
+    try:
+        cli.main(args)
+    except SystemExit as stop:
+        assert stop.code in (None, 0, 2)
+    capsys.readouterr()
+
+
 def test_help_lists_groups_sweeps_the_sweeper_and_the_other_scripts(tmp_path: Path) -> None:
     out = capibara("--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -25,9 +25,10 @@ def light(yes: bool) -> None:
 
 
 def end(code: object, console: bool) -> None:
-    """End a light command of a console process now with exit status `code` (SystemExit's:
-    None is 0); returns (and Python ends as usual) in a process that goes on (tests), for a
-    command that is not light, or where its output cannot be flushed."""
+    """End a light command now with exit status `code` (SystemExit's: None is 0) where
+    `console` says this is a console process's own call (main() reading its argv from the
+    command line); returns (and Python ends as usual) for a call with arguments (a caller
+    that goes on: tests), a command that is not light, or output that cannot be flushed."""
     if not (console and _light[0]) or not (code is None or isinstance(code, int)):
         return
     try:

@@ -61,17 +61,19 @@ def console(prog: str, kept: Kept | None = None) -> Callable:
             said = (lambda: kept(args)) if kept else (lambda: "the inputs are as they were")
             previous = _install(prog, said)
             _current[:] = [(prog, args, said, verbose)]
+            # the console script's own call (argv from the command line), not a caller's
+            entry = argv is None and _console_process()
             try:
                 result = main(argv)
             except SystemExit as err:
-                light_exit.end(err.code, _console_process())  # a config command: no teardown
+                light_exit.end(err.code, entry)  # a config command: no teardown
                 raise
             except GeneratorExit:
                 raise
             except BaseException as err:  # noqa: BLE001 - the one place every failure ends
                 _handle(err)
             else:
-                light_exit.end(None, _console_process())
+                light_exit.end(None, entry)
                 return result
             finally:
                 _restore(previous)
