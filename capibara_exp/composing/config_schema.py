@@ -1,13 +1,9 @@
 """What a value of the config may be: types, ranges and choices, checked at compose time.
 
-A key's type comes from its YAML file: the value a group's file gives it (an int makes it
-an integer key, a list a list key). RULES adds what YAML cannot say: a range, a set of
-choices, or the type of a key whose default is null. So a new key is added in its YAML
-file, plus one RULES line when it has a range or choices or a null default (a test fails
-for a key that has neither a typed default nor a rule). Cross-key rules (CROSS_RULES) say
-what no single key can (a batch that divides by the microbatches, periods that divide).
-
-Pure: only the standard library and OmegaConf values, so it runs before any heavy import.
+A key's type comes from its YAML file (an int makes it an integer key, a list a list key).
+RULES adds what YAML cannot say: a range, choices, or the type of a null default; a test
+fails for a key with neither. Rules across keys live in cross_rules.py. Pure (the standard
+library and OmegaConf values), so it runs before any heavy import.
 """
 
 from __future__ import annotations
