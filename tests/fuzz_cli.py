@@ -55,8 +55,11 @@ SCRIPTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "capibara-exp-convert": ("capibara_exp.cli.convert", [("capibara_exp.cli.convert", "run")]),
     "capibara-exp-lora": ("capibara_exp.cli.lora",
                           [("capibara_exp.runtime.lora.export", "export_run")]),
+    # (its Hydra app too, as the others': run here, Hydra's --hydra-help configures logging
+    # with dictConfig, which closes every live handler of this process, pytest's included)
     "capibara-exp-meta": ("capibara_exp.cli.meta",
-                          [("capibara_exp.consensus.meta_consensus", "run")]),
+                          [("capibara_exp.consensus.meta_consensus", "run"),
+                           ("capibara_exp.cli.meta", "_app")]),
     "capibara-exp-generate": ("capibara_exp.cli.generate",
                               [("capibara_exp.generation.command", "run")]),
 }
@@ -127,7 +130,9 @@ HYDRA_FLAGS = [["--cfg", "job"], ["-c", "all"], ["--help"], ["--hydra-help"], ["
                ["--gin_search_paths={root}/empty"], ["--gin_bindings=TRAIN_STEPS = 3"],
                ["--gin_bindings=nets.Nope.x = 1"], ["--gin.=1"], ["--gin.X"],
                # modes Hydra refuses together (its ValueError once surfaced as exit 1)
-               ["-m", "--cfg", "job"], ["--run", "--info"], ["-sc", "-m"]]
+               ["-m", "--cfg", "job"], ["--run", "--info"], ["-sc", "-m"],
+               # Hydra's subcommands for shell completion, bad and good
+               ["-sc"], ["-sc", "install=tcsh"], ["-sc", "install=bash"]]
 
 
 def gin_flags() -> st.SearchStrategy[list[str]]:

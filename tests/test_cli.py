@@ -86,6 +86,13 @@ def test_a_caller_that_goes_on_is_never_ended(args, tmp_path, monkeypatch, capsy
     capsys.readouterr()
 
 
+def test_shell_completion_installs_through_hydra(tmp_path: Path) -> None:
+    """-sc install=bash reaches Hydra's completion (not composed as a config key)."""
+    out = capibara("-sc", "install=bash", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "complete" in out.stdout and "hydra_bash_completion" in out.stdout
+
+
 def test_help_lists_groups_sweeps_the_sweeper_and_the_other_scripts(tmp_path: Path) -> None:
     out = capibara("--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr

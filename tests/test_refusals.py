@@ -86,6 +86,14 @@ MAIN_CASES = [
     # Hydra's flags it refuses together (it raised a ValueError: an internal error, exit 1)
     (["--resolve", "~name=null"], "--resolve only changes what --cfg or --help shows"),
     (["-m", "--cfg", "job"], "--multirun and --cfg together"),
+    # flags whose arguments Hydra reads itself (its ValueError and UnpicklingError were
+    # internal errors, exit 1)
+    (["-sc"], "--shell-completion takes one of install=SHELL, uninstall=SHELL, query=SHELL"),
+    (["-sc", "install=tcsh"], "install=tcsh: no completion for that shell"),
+    (["-sc", "query=bash"], "query=... is what the installed completion runs"),
+    (["--experimental-rerun", "{file}"], "--experimental-rerun {file}: not a Hydra job's "
+                                         "config.pickle"),
+    (["--experimental-rerun={root}/nope"], "--experimental-rerun {root}/nope: No such file"),
     (["--info", "defaults", "-c", "job", "--run"], "--info and --cfg and --run together"),
     # a sweep's settings, before the sweep dir exists
     (["-m", "hydra/sweeper=capibara_optuna", "hydra.sweeper.sampler=rando",

@@ -41,7 +41,8 @@ def checked_argv(prog: str, config_name: str, argv: list[str],
         line = flags.parse(argv)
         register_resolvers()
         if line.informing:
-            if line.overrides:  # Hydra's app would refuse them as an internal error, midway
+            if line.overrides and not line.completing:  # Hydra's app would refuse them as an
+                # internal error, midway
                 from capibara_exp.cli import compose as composing
 
                 # kept, as --help keeps it: its text then composes nothing again

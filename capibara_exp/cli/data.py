@@ -15,12 +15,14 @@ scrubbing figures). Examples:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from capibara_exp.base import run_lock
-from capibara_exp.base.errors import ConfigError
+from capibara_exp.base.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from capibara_exp.cli import app, guards
 from capibara_exp.cli.common import user_errors
 from capibara_exp.cli.shell import console
@@ -36,12 +38,29 @@ def _build(cfg: DictConfig) -> None:
     data_dir, force = settings.pop("data_dir"), settings.pop("force")
     datasets = settings.pop("datasets")
     settings.pop("hydra", None)
-    # the routing data first: a build that stops on them (bad inputs) leaves the corpus be
-    summary = _build_e2b(data_dir, force, settings) if built.DATASET in datasets else {}
-    if corpus.CORPUS_NAME in datasets:
-        manifest = corpus.build_corpus(data_dir, force=force)  # its own phase line
-        summary[corpus.CORPUS_NAME] = corpus.summary(manifest, data_dir)
+    made = _not_yet(Path(data_dir), datasets)
+    try:
+        # the routing data first: a build that stops on them (bad inputs) leaves the corpus be
+        summary = _build_e2b(data_dir, force, settings) if built.DATASET in datasets else {}
+        if corpus.CORPUS_NAME in datasets:
+            manifest = corpus.build_corpus(data_dir, force=force)  # its own phase line
+            summary[corpus.CORPUS_NAME] = corpus.summary(manifest, data_dir)
+    except BaseException as err:
+        if not isinstance(err, Preempted | KeyboardInterrupt) and \
+                getattr(err, "code", None) != PREEMPTED_EXIT_CODE:
+            for path in made:  # all or nothing: one data set failing undoes the other
+                shutil.rmtree(path, ignore_errors=True)
+        raise
     print(json.dumps(summary, indent=2, ensure_ascii=False))
+
+
+def _not_yet(data_dir: Path, datasets: list[str]) -> list[Path]:
+    """What this command would create: the data dir, else the data sets' dirs it lacks."""
+    if not data_dir.exists():
+        return [data_dir]
+    dirs = {corpus.CORPUS_NAME: corpus.corpus_dir(data_dir),
+            built.DATASET: built.dataset_dir(data_dir)}
+    return [dirs[name] for name in datasets if not dirs[name].exists()]
 
 
 def _build_e2b(data_dir: str, force: bool, settings: dict) -> dict:

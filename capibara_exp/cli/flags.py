@@ -9,6 +9,7 @@ they append.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -50,6 +51,11 @@ class CommandLine:
     def multirun(self) -> bool:
         return any(a in ("--multirun", "-m") for a in self.flags) or any(
             o.replace(" ", "") == "hydra.mode=MULTIRUN" for o in self.overrides)
+
+    @property
+    def completing(self) -> bool:
+        """--shell-completion: its overrides are Hydra's subcommands, not config keys."""
+        return any(a in ("--shell-completion", "-sc") for a in self.flags)
 
     @property
     def informing(self) -> bool:
@@ -103,7 +109,55 @@ def parse(argv: list[str]) -> CommandLine:
         raise ConfigError("--package only chooses what --cfg shows (--cfg job --package "
                           "model); without --cfg it does nothing")
     _one_mode(line)
+    helping = any(a in ("--help", "-h", "--hydra-help") for a in line.flags)
+    if line.completing and not helping:  # (Hydra answers --help first)
+        _completion(line)
+    for i, flag in enumerate(line.flags):
+        name, _, value = flag.partition("=")
+        if name == "--experimental-rerun":
+            _rerun_file(value or line.flags[i + 1])
     return line
+
+
+_SHELLS = ("bash", "fish", "zsh")  # Hydra's completion plugins
+_SUBCOMMANDS = ("install", "uninstall", "query")
+
+
+def _completion(line: CommandLine) -> None:
+    """Hydra's --shell-completion takes one of install=SHELL, uninstall=SHELL, query=SHELL
+    (it raised a ValueError for anything else: an internal error)."""
+    given = [o.partition("=") for o in line.overrides]
+    subcommands = [(k, v) for k, _, v in given if k in _SUBCOMMANDS]
+    usage = (f"--shell-completion takes one of {', '.join(f'{c}=SHELL' for c in _SUBCOMMANDS)} "
+             f"(SHELL: {', '.join(_SHELLS)}); `eval` what -sc install=bash prints")
+    if len(subcommands) != 1:
+        raise ConfigError(usage)
+    key, shell = subcommands[0]
+    if shell not in _SHELLS:
+        raise ConfigError(f"{key}={shell}: no completion for that shell; {usage}")
+    if key == "query" and "COMP_LINE" not in os.environ:
+        raise ConfigError("query=... is what the installed completion runs (it reads "
+                          "$COMP_LINE, unset here); install it with -sc install=SHELL")
+
+
+def _rerun_file(path: str) -> None:
+    """--experimental-rerun reads a run's .hydra/config.pickle: a file that is not a pickle
+    of an OmegaConf config is refused here (Hydra's unpickling raised, an internal error).
+    The check walks the pickle's opcodes; it runs nothing of the file."""
+    import pickletools
+
+    where = f"--experimental-rerun {path}"
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{where}: {err.strerror or err}") from None
+    try:
+        names = [str(arg) for op, arg, _ in pickletools.genops(data) if isinstance(arg, str)]
+    except Exception:  # noqa: BLE001 - any malformation: not a pickle
+        names = None
+    if not names or not any(n.startswith("omegaconf") for n in names):
+        raise ConfigError(f"{where}: not a Hydra job's config.pickle (a run's "
+                          ".hydra/config.pickle)")
 
 
 # Hydra's modes: it runs one of them per command (and refuses two with a ValueError)
