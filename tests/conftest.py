@@ -66,6 +66,18 @@ def corpus_data(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return data_dir
 
 
+@pytest.fixture
+def capibara_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A command's caches in a fresh $XDG_CACHE_HOME (the compose and parsed-config caches
+    on, as a user has them), resolvers registered, cwd the test's dir: capibara-exp's
+    cache dir, empty."""
+    register_resolvers()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CAPIBARA_COMPOSE_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "cache" / "capibara-exp"
+
+
 @pytest.fixture(scope="session")
 def _e2b_built(data_dir: Path) -> Path:
     from capibara_exp.data.e2b import build

@@ -13,16 +13,11 @@ from capibara_exp.base.errors import ConfigError
 from capibara_exp.base.paths import CONF_DIR
 from capibara_exp.cli import checks, compose_cache, flags
 from capibara_exp.cli import compose as composing
-from capibara_exp.composing.resolvers import register_resolvers
 
 
 @pytest.fixture(autouse=True)
-def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    register_resolvers()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("CAPIBARA_COMPOSE_CACHE", raising=False)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path / "cache" / "capibara-exp" / "compose"
+def cache_home(capibara_cache: Path) -> Path:
+    return capibara_cache / "compose"
 
 
 def entries(cache: Path) -> list[Path]:
