@@ -129,8 +129,7 @@ def _tensorstore_os_error(err: BaseException) -> OSError | None:
 
 
 def disk_failure(err: BaseException) -> bool:
-    """Whether `err` is tensorstore's report of an OS failure of the machine's (a full
-    disk, the file size limit, too many open files), whatever its type."""
+    """Whether `err` is tensorstore's report of the machine's OS failure, whatever its type."""
     return not isinstance(err, ConfigError) and _tensorstore_os_error(err) is not None
 
 
@@ -344,6 +343,8 @@ def _os_failure(prog: str, err: OSError, args: list[str], said: Callable[[], str
     name = errno.errorcode.get(err.errno or 0, "")
     where = " ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
     reason = err.strerror or (str(err).splitlines() or [type(err).__name__])[0]
+    reason += (" (writing a checkpoint)" if ".orbax-checkpoint-tmp" in where  # (orbax's own
+               and "checkpoint)" not in reason else "")  # writes, besides tensorstore's)
     mine = err.errno in PATH_ERRNOS and any(_named(f, args) for f in (err.filename,
                                                                       err.filename2) if f)
     text = f"{where}: {reason}" if where else reason
